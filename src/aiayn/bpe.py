@@ -1,0 +1,112 @@
+"""The bpe stage: one SentencePiece BPE vocabulary shared by source and target (paper: about 37000).
+
+Learned on a shuffled sample of both sides of the training data, with fixed ids for the
+special symbols so that every later stage can rely on them: pad 0, unk 1, bos 2, eos 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from aiayn.errors import UserError, cli
+from aiayn.fileio import atomic_path, fingerprint_files, write_json_atomic
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+def learn_bpe(
+    train_files: list[str | Path],
+    out_dir: str | Path,
+    vocab_size: int,
+    input_sentence_size: int = 1_000_000,
+    character_coverage: float = 1.0,
+    seed: int = 1,
+    threads: int | None = None,
+) -> dict:
+    """Train the shared vocabulary; write ``spm.model``, ``spm.vocab`` and ``bpe.json`` into ``out_dir``."""
+    import sentencepiece as spm
+
+    out_dir = Path(out_dir)
+    for path in train_files:
+        if not Path(path).exists():
+            raise UserError(f"{path}: training text not found (run the download stage first)")
+    spm.set_random_generator_seed(seed)
+    with tempfile.TemporaryDirectory(prefix="aiayn-bpe-") as tmp:
+        prefix = os.path.join(tmp, "spm")
+        try:
+            spm.SentencePieceTrainer.train(
+                input=",".join(str(p) for p in train_files),
+                model_prefix=prefix,
+                model_type="bpe",
+                vocab_size=vocab_size,
+                character_coverage=character_coverage,
+                input_sentence_size=input_sentence_size,
+                shuffle_input_sentence=True,
+                num_threads=threads or os.cpu_count() or 1,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                # identity: decoding gives back exactly the text, so BLEU sees the real characters
+                normalization_rule_name="identity",
+                minloglevel=2,
+            )
+        except RuntimeError as error:
+            message = str(error)
+            limit = re.search(r"<= (\d+)", message)
+            if "Vocabulary size too high" in message or "vocab_size" in message:
+                at_most = f" (at most {limit.group(1)})" if limit else ""
+                raise UserError(
+                    f"bpe.vocab_size = {vocab_size} is more than the training data "
+                    f"({', '.join(str(p) for p in train_files)}) can support{at_most}; lower bpe.vocab_size "
+                    "in your config or use more training data"
+                ) from None
+            raise
+        for suffix in ("model", "vocab"):
+            with atomic_path(out_dir / f"spm.{suffix}") as tmp_path:
+                shutil.copyfile(f"{prefix}.{suffix}", tmp_path)
+    info = {
+        "vocab_size": vocab_size,
+        "model_type": "bpe",
+        "shared": True,
+        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
+        "input_sentence_size": input_sentence_size,
+        "character_coverage": character_coverage,
+        "seed": seed,
+        "fingerprint": fingerprint_files(out_dir / "spm.model"),
+        "data_fingerprint": fingerprint_files(*train_files),
+        "train_files": [str(p) for p in train_files],
+    }
+    write_json_atomic(out_dir / "bpe.json", info)
+    return info
+
+
+def load_processor(model_path: str | Path):
+    import sentencepiece as spm
+
+    if not Path(model_path).exists():
+        raise UserError(f"{model_path}: SentencePiece model not found (run the bpe stage first)")
+    return spm.SentencePieceProcessor(model_file=str(model_path))
+
+
+@cli
+def main(argv=None):
+    from aiayn.config import add_config_arguments, section_from_arguments
+
+    parser = argparse.ArgumentParser(prog="aiayn bpe", description=__doc__.splitlines()[0])
+    add_config_arguments(parser, "bpe")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("inputs", nargs="+", help="training text files (source and target sides)")
+    args = parser.parse_args(argv)
+    bpe = section_from_arguments(args, "bpe")
+    info = learn_bpe(args.inputs, args.out_dir, bpe["vocab_size"], bpe["input_sentence_size"],
+                     bpe["character_coverage"], bpe["seed"], args.threads)
+    print(f"vocabulary of {info['vocab_size']} pieces, fingerprint {info['fingerprint']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

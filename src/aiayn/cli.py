@@ -1,0 +1,48 @@
+"""``aiayn <stage> ...``: one subcommand per pipeline stage, each the stage module's ``main``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help); modules are imported only when their command runs,
+# so `aiayn train` on a bare GPU image never imports mlflow's or snakemake's dependencies.
+COMMANDS = {
+    "demo": ("aiayn.demo", "write the synthetic demo corpus"),
+    "download": ("aiayn.data", "fetch a parallel corpus (hub, local files or the demo)"),
+    "bpe": ("aiayn.bpe", "learn the shared SentencePiece BPE vocabulary"),
+    "binarise": ("aiayn.binarize", "encode text into token-id arrays"),
+    "binarize": ("aiayn.binarize", "alias of binarise"),
+    "params": ("aiayn.params", "parameter count of every preset beside the paper's"),
+    "train": ("aiayn.train", "train one model preset"),
+    "average": ("aiayn.average", "average the last K checkpoints"),
+    "decode": ("aiayn.search", "beam-search a binarised or text split"),
+    "translate": ("aiayn.translate", "translate stdin to stdout with a trained model"),
+    "score": ("aiayn.score", "sacreBLEU, paper-comparable tokenized BLEU and chrF"),
+    "report": ("aiayn.report", "Table 2 and Table 3 beside the paper's numbers"),
+    "compare": ("aiayn.compare", "compare runs from MLflow"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: aiayn <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "`aiayn <command> --help` describes each command's options."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""Config files: merge, validate against the schema (Snakemake's ``validate``), resolve presets.
+
+Config flows one way: YAML files (the embedded default, then ``--configfile``s, then
+``--config`` overrides) are merged key by key as Snakemake does, checked against
+``workflow/schemas/config.schema.yaml`` with a message that names the file and the key,
+filled with the schema's defaults, and then each model preset is resolved through its
+``inherit`` chain into one flat dict that the stages receive as JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from aiayn.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
+
+# Keys every resolved preset must have (after following `inherit`).
+PRESET_KEYS = (
+    "n_layers", "d_model", "d_ff", "n_heads", "d_head", "d_value", "dropout", "label_smoothing",
+    "positional", "max_positions", "steps", "warmup_steps", "lr_scale", "average_last",
+    "keep_checkpoints", "checkpoint_minutes", "checkpoint_steps", "gpus", "runtime_minutes",
+)
+MODEL_KEYS = ("n_layers", "d_model", "d_ff", "n_heads", "d_head", "d_value", "dropout", "positional", "max_positions")
+
+
+def load_yaml(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise UserError(f"{path}: not valid YAML ({error})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a config file must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def merge(base: dict, update: dict) -> dict:
+    """Merge ``update`` into a copy of ``base`` key by key (dicts recursively), as Snakemake does."""
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_config(paths: Sequence[str | Path], overrides: dict | None = None) -> dict:
+    """Merge config files (first is the base), apply overrides, validate and fill defaults."""
+    config: dict = {}
+    sources = [str(p) for p in paths]
+    for path in paths:
+        config = merge(config, load_yaml(path))
+    if overrides:
+        config = merge(config, overrides)
+        sources.append("--config")
+    return check_config(config, sources)
+
+
+def _key_text(path: Iterable[Any]) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def _defined_in(key_path: Sequence[Any], sources: Sequence[str]) -> str:
+    """The last source that sets ``key_path`` (the one whose value won the merge)."""
+    for source in reversed(sources):
+        if source == "--config":
+            continue
+        try:
+            node: Any = load_yaml(source)
+        except UserError:
+            continue
+        for part in key_path:
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+            else:
+                break
+        else:
+            return source
+    return sources[-1] if sources else "config"
+
+
+def _schema_error_message(error, sources: Sequence[str]) -> str:
+    path = list(error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        key = _key_text(path + extra[:1])
+        where = _defined_in(path + extra[:1], sources)
+        hint = f"allowed keys here: {', '.join(allowed)}" if allowed else "no keys are allowed here"
+        return f"{where}: unknown key {key} ({hint}; see config/README.md)"
+    where = _defined_in(path, sources)
+    key = _key_text(path)
+    if error.validator == "enum":
+        allowed = ", ".join(str(v) for v in error.validator_value)
+        return f"{where}: {key} = {error.instance!r} is not allowed (allowed values: {allowed})"
+    if error.validator == "required":
+        return f"{where}: {error.message} at {key} (see config/README.md)"
+    description = error.schema.get("description")
+    extra = f" ({description})" if description else ""
+    return f"{where}: {key} = {error.instance!r}: {error.message}{extra}"
+
+
+def check_config(config: dict, sources: Sequence[str]) -> dict:
+    """Validate against the schema with Snakemake's ``validate`` (filling defaults), then check presets.
+
+    Returns the config with defaults filled in. Raises UserError naming the file and key.
+    """
+    import jsonschema
+    import yaml
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    if errors:
+        raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), sources))
+    config = copy.deepcopy(config)
+    try:
+        validate(config, str(SCHEMA_PATH), set_default=True)
+    except WorkflowError as error:  # our own pass above should have caught it first
+        raise UserError(f"{', '.join(sources)}: {error}") from None
+    for name in config["models"]:
+        resolve_preset(config, name, sources)
+    return config
+
+
+def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)) -> dict:
+    """Follow ``inherit`` and return the preset as one flat dict (without ``inherit``)."""
+    presets = config["presets"]
+    if name not in presets:
+        where = _defined_in(["models"], sources)
+        raise UserError(
+            f"{where}: models lists unknown preset {name!r} (known presets: {', '.join(sorted(presets))})"
+        )
+    chain = [name]
+    while "inherit" in presets[chain[-1]]:
+        parent = presets[chain[-1]]["inherit"]
+        if parent not in presets:
+            where = _defined_in(["presets", chain[-1], "inherit"], sources)
+            raise UserError(
+                f"{where}: presets.{chain[-1]}.inherit = {parent!r} is not a preset "
+                f"(known presets: {', '.join(sorted(presets))})"
+            )
+        if parent in chain:
+            raise UserError(f"{sources[-1]}: presets inherit in a circle: {' -> '.join(chain + [parent])}")
+        chain.append(parent)
+    resolved: dict = {}
+    for preset_name in reversed(chain):
+        resolved = merge(resolved, {k: v for k, v in presets[preset_name].items() if k not in ("inherit", "paper")})
+    # the paper's numbers belong to one row of a table; they are never inherited
+    resolved["paper"] = copy.deepcopy(presets[name].get("paper", {}))
+    missing = [key for key in PRESET_KEYS if key not in resolved]
+    if missing:
+        where = _defined_in(["presets", chain[-1]], sources)
+        raise UserError(
+            f"{where}: preset {name!r} (via {' -> '.join(chain)}) does not set {', '.join(missing)}; "
+            f"set them in presets.{chain[-1]} or inherit from a preset that does"
+        )
+    _check_heads(name, resolved, sources)
+    resolved["name"] = name
+    return resolved
+
+
+def _check_heads(name: str, preset: dict, sources: Sequence[str]) -> None:
+    if preset["d_head"] is None and preset["d_model"] % preset["n_heads"]:
+        divisors = [str(h) for h in range(1, preset["d_model"] + 1) if preset["d_model"] % h == 0][:8]
+        where = _defined_in(["presets", name, "n_heads"], sources)
+        raise UserError(
+            f"{where}: presets.{name}.n_heads = {preset['n_heads']} does not divide d_model = {preset['d_model']} "
+            f"(set d_head explicitly, or choose n_heads in {', '.join(divisors)}, ...)"
+        )
+
+
+def model_fields(preset: dict) -> dict:
+    """The ModelConfig fields of a resolved preset (the vocabulary size comes from the BPE stage)."""
+    return {key: preset[key] for key in MODEL_KEYS}
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def add_config_arguments(parser, section: str) -> None:
+    """Stages take their config section as JSON (from the Snakefile) or read it from config files."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--config", nargs="+", metavar="FILE", help="config files, merged in order and validated")
+    group.add_argument(f"--{section}-json", dest="section_json", metavar="JSON",
+                       help=f"the already validated `{section}` section as JSON (what the Snakefile passes)")
+
+
+def section_from_arguments(args, section: str) -> Any:
+    if args.section_json is not None:
+        try:
+            return json.loads(args.section_json)
+        except json.JSONDecodeError as error:
+            raise UserError(f"--{section}-json is not valid JSON ({error})") from None
+    return load_config(args.config)[section]

@@ -1,0 +1,15 @@
+rule average:
+    input:
+        f"{RESULTS}/train/{{model}}/seed{{seed}}/final.json",
+    output:
+        f"{RESULTS}/average/{{model}}/seed{{seed}}/model.pt",
+    params:
+        last=lambda w: preset(w)["average_last"],
+        checkpoint_dir=lambda w: f"{run_dir(w)}/checkpoints",
+    log:
+        f"{RESULTS}/logs/average/{{model}}/seed{{seed}}.log",
+    resources:
+        mem_mb=16000,
+        runtime=30,
+    shell:
+        "aiayn average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output} > {log} 2>&1"

@@ -1,0 +1,64 @@
+# Helpers, paths and target lists shared by the rules (no rules here).
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+
+from aiayn.config import check_config, resolve_preset, to_json
+from aiayn.errors import UserError
+
+
+def config_sources():
+    """The files whose merge is `config`, in order, for error messages that name the file."""
+    sources = [str(Path(workflow.basedir) / "config" / "config.yaml")]
+    sources += [str(path) for path in workflow.overwrite_configfiles]
+    if workflow.config_settings.config:
+        sources.append("--config")
+    return sources
+
+
+# Validate once, before any job: one message naming the file and key, exit status 2.
+try:
+    _validated = check_config(config, config_sources())
+except UserError as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+config.clear()
+config.update(_validated)
+
+RESULTS = f"results/{config['experiment']}"
+SRC = config["data"]["src_lang"]
+TGT = config["data"]["tgt_lang"]
+SPLITS = ["train", "dev", "test"]
+PRESETS = {name: resolve_preset(config, name) for name in config["models"]}
+
+
+wildcard_constraints:
+    model="|".join(sorted(PRESETS)),
+    seed=r"\d+",
+    split="train|dev|test",
+
+
+def preset(wildcards):
+    return PRESETS[wildcards.model]
+
+
+def run_dir(wildcards):
+    return f"{RESULTS}/train/{wildcards.model}/seed{wildcards.seed}"
+
+
+def runs():
+    """Every (model, seed) pair the config asks for."""
+    return [(model, seed) for model in config["models"] for seed in config["seeds"]]
+
+
+def score_outputs():
+    return [
+        f"{RESULTS}/score/{model}/seed{seed}/{split}.json"
+        for model, seed in runs()
+        for split in ("dev", "test")
+    ]
+
+
+def report_outputs():
+    return [f"{RESULTS}/report/{table}.{ext}" for table in ("table2", "table3") for ext in ("csv", "md")]
