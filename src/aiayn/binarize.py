@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aiayn.bpe import vocab_fingerprint
 from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, fingerprint_files, read_lines
 
@@ -115,7 +116,7 @@ def binarize_split(
         "tgt_tokens": int(tgt_ids.size),
         "dtype": np.dtype(dtype).name,
         "vocab_size": vocab_size,
-        "vocab_fingerprint": fingerprint_files(model_path),
+        "vocab_fingerprint": vocab_fingerprint(model_path),
         "data_fingerprint": fingerprint_files(src_path, tgt_path),
         "src_file": str(src_path),
         "tgt_file": str(tgt_path),

@@ -76,12 +76,27 @@ def learn_bpe(
         "input_sentence_size": input_sentence_size,
         "character_coverage": character_coverage,
         "seed": seed,
-        "fingerprint": fingerprint_files(out_dir / "spm.model"),
+        "fingerprint": vocab_fingerprint(out_dir / "spm.model"),
         "data_fingerprint": fingerprint_files(*train_files),
         "train_files": [str(p) for p in train_files],
     }
     write_json_atomic(out_dir / "bpe.json", info)
     return info
+
+
+def vocab_fingerprint(model_path: str | Path) -> str:
+    """A short hash of the vocabulary itself (pieces and scores, in id order).
+
+    Not of the model file: SentencePiece stores its training options there, temporary
+    paths included, so two identical vocabularies would hash differently.
+    """
+    import hashlib
+
+    processor = load_processor(model_path)
+    digest = hashlib.sha256()
+    for piece_id in range(processor.get_piece_size()):
+        digest.update(f"{processor.id_to_piece(piece_id)}\t{processor.get_score(piece_id)!r}\n".encode("utf-8"))
+    return digest.hexdigest()[:16]
 
 
 def load_processor(model_path: str | Path):

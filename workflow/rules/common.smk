@@ -10,8 +10,12 @@ from aiayn.errors import UserError
 
 def config_sources():
     """The files whose merge is `config`, in order, for error messages that name the file."""
-    sources = [str(Path(workflow.basedir) / "config" / "config.yaml")]
-    sources += [str(path) for path in workflow.overwrite_configfiles]
+    def shown(path):
+        path = Path(path).resolve()
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+    sources = [shown(Path(workflow.basedir) / "config" / "config.yaml")]
+    sources += [shown(path) for path in workflow.overwrite_configfiles]
     if workflow.config_settings.config:
         sources.append("--config")
     return sources

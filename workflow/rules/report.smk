@@ -8,10 +8,11 @@ rule report:
         presets=to_json(PRESETS),
         out_dir=f"{RESULTS}/report",
         results=RESULTS,
+        seeds=config["seeds"],
     log:
         f"{RESULTS}/logs/report.log",
     resources:
         mem_mb=4000,
         runtime=20,
     shell:
-        "aiayn report --presets-json {params.presets:q} --results {params.results} --out-dir {params.out_dir} > {log} 2>&1"
+        "aiayn report --presets-json {params.presets:q} --results {params.results} --out-dir {params.out_dir} --seeds {params.seeds} > {log} 2>&1"

@@ -1,0 +1,92 @@
+"""Checkpoint and model files: their formats, atomic saving, safe loading and listing.
+
+A training checkpoint (``aiayn-checkpoint-v1``, ``<run_dir>/checkpoints/step_XXXXXXXX.pt``)
+holds the model, optimizer, schedule, data position, RNG states and resolved config; a model
+file (``aiayn-model-v1``: written by averaging and at the end of training) holds only what
+decoding needs. Both contain tensors and plain values alone, so they load with
+``torch.load(weights_only=True)``: no pickled code runs when a file is opened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from aiayn.errors import UserError
+from aiayn.fileio import atomic_path
+
+CHECKPOINT_FORMAT = "aiayn-checkpoint-v1"
+MODEL_FORMAT = "aiayn-model-v1"
+_CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Load an aiayn checkpoint or model file on the CPU, refusing anything else with a UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file (check the path or the checkpoint directory)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(
+            f"{path}: cannot be loaded, the file is corrupt or truncated (perhaps written by a job "
+            f"that was killed) [{reason}]; delete it, or average other checkpoints"
+        ) from None
+    if not isinstance(checkpoint, dict) or "format" not in checkpoint:
+        raise UserError(
+            f"{path}: not an aiayn checkpoint (it has no 'format' entry); average only files "
+            "written by `aiayn train` (step_*.pt) or by `aiayn average`"
+        )
+    if checkpoint["format"] not in (CHECKPOINT_FORMAT, MODEL_FORMAT):
+        raise UserError(
+            f"{path}: unknown format {checkpoint['format']!r}; this version of aiayn reads "
+            f"{CHECKPOINT_FORMAT!r} and {MODEL_FORMAT!r}"
+        )
+    steps_key = "step" if checkpoint["format"] == CHECKPOINT_FORMAT else "averaged_steps"
+    for key in ("model_config", "model", "vocab_fingerprint", "data_fingerprint", steps_key):
+        if key not in checkpoint:
+            raise UserError(f"{path}: a {checkpoint['format']} file without its {key!r} entry; the file is damaged")
+    return checkpoint
+
+
+def save_model(obj: dict, path: str | os.PathLike) -> None:
+    """Write ``obj`` with torch.save so that ``path`` either holds the whole file or is untouched."""
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def last_checkpoints(checkpoint_dir: str | os.PathLike, k: int) -> list[Path]:
+    """The ``k`` checkpoints ``step_*.pt`` of ``checkpoint_dir`` with the highest steps, oldest first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if k < 1:
+        raise UserError(f"cannot average the last {k} checkpoints; K must be at least 1")
+    if not checkpoint_dir.is_dir():
+        raise UserError(f"{checkpoint_dir}: no such checkpoint directory (has training started?)")
+    found = list_checkpoints(checkpoint_dir)
+    if len(found) < k:
+        raise UserError(
+            f"{checkpoint_dir}: {len(found)} checkpoints (step_*.pt) found but the last {k} are to be averaged; "
+            "train longer, save checkpoints more often, or lower the number averaged"
+        )
+    return [path for _, path in found[-k:]]
+
+
+def checkpoint_path(checkpoint_dir: str | os.PathLike, step: int) -> Path:
+    return Path(checkpoint_dir) / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(checkpoint_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_*.pt`` in ``checkpoint_dir``, oldest first (none if it is missing)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return []
+    found = []
+    for path in checkpoint_dir.glob("step_*.pt"):
+        match = _CHECKPOINT_NAME.fullmatch(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)

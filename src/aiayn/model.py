@@ -1,0 +1,396 @@
+"""The Transformer of "Attention Is All You Need", read as the paper's Figure 1.
+
+Top-down: the config, then multi-head attention (Section 3.2), the position-wise feed-forward network
+(3.3), embeddings with positions (3.4, 3.5), the encoder and decoder layers (3.1), and the
+``Transformer`` that stacks them, with the cached one-token step the beam search drives.
+
+Imports torch alone, so that it runs on a bare GPU image with ``PYTHONPATH=src``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.errors import UserError
+
+POSITIONAL_KINDS = ("sinusoidal", "learned", "none")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, with the paper's names; the defaults are the base model (Table 3, first row)."""
+
+    vocab_size: int
+    n_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8
+    d_head: int | None = None  # d_k, query/key size per head; None means d_model // n_heads
+    d_value: int | None = None  # d_v, value size per head; None means d_head (Table 3 row B changes d_k alone)
+    dropout: float = 0.1
+    positional: str = "sinusoidal"  # one of POSITIONAL_KINDS; "learned" is Table 3 row E
+    max_positions: int = 1024  # rows of the learned table; initial length of the sinusoid table, which grows
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layers", "d_model", "d_ff", "n_heads", "max_positions"):
+            _require_int(name, getattr(self, name), minimum=1)
+        for name in ("d_head", "d_value"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), minimum=1)
+        _require_int("pad_id", self.pad_id, minimum=0)
+        if self.pad_id >= self.vocab_size:
+            raise UserError(
+                f"pad_id = {self.pad_id} is not a token of a vocabulary of vocab_size = {self.vocab_size} "
+                f"(pad_id must be below vocab_size)"
+            )
+        if self.d_head is None and self.d_model % self.n_heads:
+            divisors = [n for n in range(1, self.d_model + 1) if self.d_model % n == 0]
+            choices = ", ".join(str(n) for n in divisors[:5]) + (", ..." if len(divisors) > 5 else "")
+            raise UserError(
+                f"n_heads = {self.n_heads} does not divide d_model = {self.d_model} "
+                f"(set d_head explicitly, or choose n_heads in {choices})"
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise UserError(f"dropout = {self.dropout!r} must be a number in [0, 1)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"dropout = {self.dropout} must be in [0, 1) (the paper uses 0.1 for base, 0.3 for big)")
+        if self.positional not in POSITIONAL_KINDS:
+            raise UserError(
+                f"positional = {self.positional!r} is unknown (choose one of {', '.join(POSITIONAL_KINDS)})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """d_k: the query and key size of one head."""
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    @property
+    def value_dim(self) -> int:
+        """d_v: the value size of one head."""
+        return self.d_value if self.d_value is not None else self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise UserError(
+                f"unknown model setting(s): {', '.join(unknown)} (known: {', '.join(known)})"
+            )
+        if "vocab_size" not in values:
+            raise UserError("vocab_size is missing from the model settings (it comes from the vocabulary)")
+        return cls(**values)
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    # bool is an int subclass, but `n_layers: true` in a config file is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{name} = {value!r} must be a whole number (at least {minimum})")
+    if value < minimum:
+        raise UserError(f"{name} = {value} must be at least {minimum}")
+
+
+class MultiHeadAttention(nn.Module):
+    """Section 3.2.2: h heads of scaled dot-product attention (Eq. 1), concatenated and projected by W^O.
+
+    The projections are split into queries, keys-and-values and attend, so that the cached decoder can
+    compute encoder-decoder keys and values once and append one self-attention key and value per step.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.value_dim = config.value_dim
+        self.query = nn.Linear(config.d_model, config.n_heads * config.head_dim)
+        self.key = nn.Linear(config.d_model, config.n_heads * config.head_dim)
+        self.value = nn.Linear(config.d_model, config.n_heads * config.value_dim)
+        self.output = nn.Linear(config.n_heads * config.value_dim, config.d_model)  # W^O
+
+    def forward(self, x: Tensor, source: Tensor, key_mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        keys, values = self.keys_values(source)
+        return self.attend(self.queries(x), keys, values, key_mask, causal)
+
+    def queries(self, x: Tensor) -> Tensor:
+        return self._split_heads(self.query(x), self.head_dim)  # (batch, heads, tgt_len, d_head)
+
+    def keys_values(self, source: Tensor) -> tuple[Tensor, Tensor]:
+        keys = self._split_heads(self.key(source), self.head_dim)  # (batch, heads, src_len, d_head)
+        values = self._split_heads(self.value(source), self.value_dim)  # (batch, heads, src_len, d_value)
+        return keys, values
+
+    def attend(
+        self, queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        # Eq. 1, softmax(Q K^T / sqrt(d_k)) V: SDPA's default scale is 1/sqrt of the query size, d_k.
+        # No dropout on the attention weights: the paper drops only sub-layer outputs and embedding
+        # sums (Section 5.4); the attention-dropout of some t2t hparams sets is not in the paper.
+        heads = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, is_causal=causal)
+        batch, _, length, _ = heads.shape  # (batch, heads, tgt_len, d_value)
+        concatenated = heads.transpose(1, 2).reshape(batch, length, self.n_heads * self.value_dim)
+        return self.output(concatenated)  # (batch, tgt_len, d_model)
+
+    def _split_heads(self, projected: Tensor, size: int) -> Tensor:
+        batch, length, _ = projected.shape
+        return projected.view(batch, length, self.n_heads, size).transpose(1, 2)
+
+
+def key_padding_mask(src_pad: Tensor) -> Tensor:
+    """(batch, src_len) True at pad -> (batch, 1, 1, src_len) True where a query may attend.
+
+    Broadcast over heads and queries by SDPA, so no (batch, heads, tgt_len, src_len) mask is built.
+    """
+    return ~src_pad[:, None, None, :]
+
+
+class FeedForward(nn.Module):
+    """Eq. 2: FFN(x) = max(0, x W1 + b1) W2 + b2, the same at every position."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inner = nn.Linear(config.d_model, config.d_ff)
+        self.outer = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.outer(F.relu(self.inner(x)))
+
+
+def sinusoid_table(length: int, d_model: int) -> Tensor:
+    """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(the same angle).
+
+    Computed in float64 so that positions in the thousands keep their low-order bits, then cast to float32.
+    """
+    positions = torch.arange(length, dtype=torch.float64)[:, None]  # (length, 1)
+    even = torch.arange(0, d_model, 2, dtype=torch.float64)  # the 2i of the formula
+    angles = positions / torch.pow(10000.0, even / d_model)  # (length, ceil(d_model / 2))
+    table = torch.empty(length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """Adds position information to the scaled embeddings: sinusoids (Section 3.5), a learned table
+    (Table 3 row E) or nothing (an ablation that makes the encoder blind to order)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.kind = config.positional
+        self.max_positions = config.max_positions
+        if self.kind == "sinusoidal":
+            # Not persistent: it is a function of the config, so checkpoints need not carry it.
+            self.register_buffer("table", sinusoid_table(config.max_positions, config.d_model), persistent=False)
+        elif self.kind == "learned":
+            self.learned = nn.Embedding(config.max_positions, config.d_model)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        end = offset + x.shape[1]  # x: (batch, len, d_model), positions offset .. end - 1
+        if self.kind == "sinusoidal":
+            if end > self.table.shape[0]:
+                # The sinusoids extrapolate to any length (Section 3.5), so the table grows instead of failing.
+                grown = sinusoid_table(max(end, 2 * self.table.shape[0]), self.table.shape[1])
+                self.table = grown.to(self.table)
+            return x + self.table[offset:end]
+        if self.kind == "learned":
+            if end > self.max_positions:
+                raise UserError(
+                    f"a sequence reaches position {end - 1}, past the learned table of "
+                    f"max_positions = {self.max_positions} (raise max_positions, or use positional = sinusoidal)"
+                )
+            return x + self.learned.weight[offset:end]
+        return x
+
+
+class EncoderLayer(nn.Module):
+    """Section 3.1: self-attention then feed-forward, each as LayerNorm(x + Dropout(Sublayer(x)))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attention = MultiHeadAttention(config)
+        self.self_attention_norm = nn.LayerNorm(config.d_model)
+        self.feed_forward = FeedForward(config)
+        self.feed_forward_norm = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)  # residual dropout, Section 5.4
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        # Post-norm, as the paper (the Annotated Transformer and later t2t are pre-norm).
+        x = self.self_attention_norm(x + self.dropout(self.self_attention(x, x, src_mask)))
+        return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Section 3.1: masked self-attention, encoder-decoder attention, feed-forward; each post-norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attention = MultiHeadAttention(config)
+        self.self_attention_norm = nn.LayerNorm(config.d_model)
+        self.cross_attention = MultiHeadAttention(config)
+        self.cross_attention_norm = nn.LayerNorm(config.d_model)
+        self.feed_forward = FeedForward(config)
+        self.feed_forward_norm = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)  # residual dropout, Section 5.4
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        # Section 3.2.3: position t sees only positions <= t. Targets are right-padded, so a real token
+        # never sees a pad, and the causal mask alone is exact for every non-pad output.
+        x = self.self_attention_norm(x + self.dropout(self.self_attention(x, x, causal=True)))
+        x = self.cross_attention_norm(x + self.dropout(self.cross_attention(x, memory, src_mask)))
+        return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+
+    def step(self, x: Tensor, layer: int, position: int, cache: DecoderCache, src_mask: Tensor) -> Tensor:
+        """One target position, x: (batch, 1, d_model), attending to the cache of earlier positions."""
+        attention = self.self_attention
+        key, value = attention.keys_values(x)  # (batch, heads, 1, d_head), (batch, heads, 1, d_value)
+        cache.self_keys[layer, :, :, position : position + 1] = key
+        cache.self_values[layer, :, :, position : position + 1] = value
+        keys = cache.self_keys[layer, :, :, : position + 1]  # (batch, heads, position + 1, d_head)
+        values = cache.self_values[layer, :, :, : position + 1]
+        # One query over the positions so far: no causal mask is needed. The query is cast to the
+        # cache's dtype, which init_cache fixed (bf16 under autocast).
+        attended = attention.attend(attention.queries(x).to(keys.dtype), keys, values)
+        x = self.self_attention_norm(x + self.dropout(attended))
+
+        attention = self.cross_attention
+        memory_keys, memory_values = cache.memory_keys[layer], cache.memory_values[layer]
+        attended = attention.attend(attention.queries(x).to(memory_keys.dtype), memory_keys, memory_values, src_mask)
+        x = self.cross_attention_norm(x + self.dropout(attended))
+        return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+
+
+@dataclass
+class DecoderCache:
+    """What incremental decoding keeps between steps; every tensor has the batch on dimension 1,
+    except src_pad, which has it on dimension 0."""
+
+    memory_keys: Tensor  # (layers, batch, heads, src_len, d_head), encoder-decoder keys, computed once
+    memory_values: Tensor  # (layers, batch, heads, src_len, d_value)
+    self_keys: Tensor  # (layers, batch, heads, max_len, d_head), filled one position per step
+    self_values: Tensor  # (layers, batch, heads, max_len, d_value)
+    src_pad: Tensor  # (batch, src_len), True at pad
+
+    @property
+    def max_len(self) -> int:
+        return self.self_keys.shape[3]
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder of Figure 1, with one embedding matrix for source, target and output (Section 3.4)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Section 3.4: this one matrix embeds source tokens, embeds target tokens, and (transposed) is the
+        # pre-softmax linear layer; `project` uses it directly, with no bias and no separate parameter.
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.embedding_scale = math.sqrt(config.d_model)  # Section 3.4: embeddings times sqrt(d_model)
+        self.positional = PositionalEncoding(config)
+        self.embedding_dropout = nn.Dropout(config.dropout)  # on embedding + position sums, Section 5.4
+        self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # The paper gives no initialisation; these are tensor2tensor's and fairseq's choices.
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        # Std d_model^-0.5: after the sqrt(d_model) scale the inputs have unit variance, and the tied
+        # pre-softmax layer starts with small logits (t2t and fairseq, for the shared, scaled embedding).
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=self.config.d_model**-0.5)
+        with torch.no_grad():
+            self.embedding.weight[self.config.pad_id].zero_()
+        if self.config.positional == "learned":
+            nn.init.normal_(self.positional.learned.weight, mean=0.0, std=self.config.d_model**-0.5)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher forcing: src (batch, src_len), tgt_in (batch, tgt_len) -> logits (batch, tgt_len, vocab)."""
+        memory, src_pad = self.encode(src)
+        return self.project(self.decode(tgt_in, memory, src_pad))
+
+    def embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """(batch, len) token ids at positions offset.. -> (batch, len, d_model) stack inputs."""
+        scaled = self.embedding(tokens) * self.embedding_scale
+        return self.embedding_dropout(self.positional(scaled, offset))
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (batch, src_len) -> memory (batch, src_len, d_model) and src_pad (batch, src_len), True at pad."""
+        src_pad = src.eq(self.config.pad_id)
+        src_mask = key_padding_mask(src_pad)
+        x = self.embed(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return x, src_pad
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor) -> Tensor:
+        """tgt_in (batch, tgt_len) -> hidden (batch, tgt_len, d_model); `project` turns it into logits."""
+        src_mask = key_padding_mask(src_pad)
+        x = self.embed(tgt_in)
+        for layer in self.decoder:
+            x = layer(x, memory, src_mask)
+        return x
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """(..., d_model) -> logits (..., vocab): the pre-softmax layer is the shared embedding, no bias."""
+        return F.linear(hidden, self.embedding.weight)
+
+    def init_cache(self, memory: Tensor, src_pad: Tensor, max_len: int) -> DecoderCache:
+        """Start incremental decoding of at most max_len target positions.
+
+        The encoder-decoder keys and values are computed once here; the self-attention buffers are
+        allocated once and written in place by `decode_step`, so a step costs no concatenation.
+        Call it and `decode_step` under the same autocast setting: the cache keeps the dtype of this call.
+        """
+        keys, values = zip(*(layer.cross_attention.keys_values(memory) for layer in self.decoder))
+        memory_keys = torch.stack(keys)  # (layers, batch, heads, src_len, d_head)
+        memory_values = torch.stack(values)  # (layers, batch, heads, src_len, d_value)
+        layers, batch, heads = memory_keys.shape[:3]
+        return DecoderCache(
+            memory_keys=memory_keys,
+            memory_values=memory_values,
+            self_keys=memory_keys.new_zeros(layers, batch, heads, max_len, self.config.head_dim),
+            self_values=memory_values.new_zeros(layers, batch, heads, max_len, self.config.value_dim),
+            src_pad=src_pad,
+        )
+
+    def decode_step(self, tokens: Tensor, position: int, cache: DecoderCache) -> Tensor:
+        """Feed the tokens (batch,) at target position `position` and return logits (batch, vocab), not log-probs.
+
+        Positions must be fed in order 0, 1, ...; the result equals `project(decode(...))[:, position]`.
+        Meant for inference (under torch.no_grad or inference_mode): it writes into the cache in place.
+        """
+        if not 0 <= position < cache.max_len:
+            raise ValueError(f"position {position} is outside the cache of max_len {cache.max_len}")
+        x = self.embed(tokens[:, None], offset=position)  # (batch, 1, d_model)
+        src_mask = key_padding_mask(cache.src_pad)
+        for layer_index, layer in enumerate(self.decoder):
+            x = layer.step(x, layer_index, position, cache, src_mask)
+        return self.project(x[:, 0])
+
+    def reorder_cache(self, cache: DecoderCache, index: Tensor) -> DecoderCache:
+        """Keep batch rows `index` (beam search: the hypotheses that survive), in that order.
+
+        Updates `cache` in place and returns it, so either calling style works.
+        """
+        cache.memory_keys = cache.memory_keys.index_select(1, index)
+        cache.memory_values = cache.memory_values.index_select(1, index)
+        cache.self_keys = cache.self_keys.index_select(1, index)
+        cache.self_values = cache.self_values.index_select(1, index)
+        cache.src_pad = cache.src_pad.index_select(0, index)
+        return cache
+
+    def num_parameters(self) -> int:
+        """Distinct parameters; the shared embedding counts once (it is one Parameter)."""
+        return sum(parameter.numel() for parameter in self.parameters())

@@ -1,0 +1,112 @@
+"""Parameter counts from the config alone, set beside the paper's params column (Table 3).
+
+``count_parameters`` is the formula, so the big model and every Table 3 row are counted without
+building them; ``main`` prints the counts of a list of presets. At vocab_size 37000 the faithful model
+comes out about 2M under most of the paper's figures (63.1M for base against 65M): the paper rounds,
+and its exact vocabulary size is not given; the gap is reported, not fitted away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Mapping, Sequence
+
+from aiayn.errors import UserError, cli
+from aiayn.model import ModelConfig
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """The number of distinct parameters of ``Transformer(config)``, from the formula."""
+    d_model, d_ff = config.d_model, config.d_ff
+    query_key_size = config.n_heads * config.head_dim
+    value_size = config.n_heads * config.value_dim
+    # Section 3.2.2: W^Q, W^K, W^V per head, stacked, and W^O; all with biases.
+    attention = 2 * (d_model * query_key_size + query_key_size) + (d_model * value_size + value_size)
+    attention += value_size * d_model + d_model
+    feed_forward = (d_model * d_ff + d_ff) + (d_ff * d_model + d_model)  # Eq. 2
+    layer_norm = 2 * d_model  # gain and bias
+    encoder_layer = attention + feed_forward + 2 * layer_norm
+    decoder_layer = 2 * attention + feed_forward + 3 * layer_norm
+    embedding = config.vocab_size * d_model  # Section 3.4: shared by both stacks and the output, counted once
+    positions = config.max_positions * d_model if config.positional == "learned" else 0
+    return embedding + positions + config.n_layers * (encoder_layer + decoder_layer)
+
+
+def parameter_rows(presets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """[{preset, model, paper_params}] -> [{preset, params, paper_params}], checking each entry."""
+    if not isinstance(presets, list):
+        raise UserError(f"presets must be a JSON list of objects, got {type(presets).__name__}")
+    rows = []
+    for number, entry in enumerate(presets):
+        where = f"presets[{number}]"
+        if not isinstance(entry, dict):
+            raise UserError(f"{where} must be an object with keys preset, model, paper_params")
+        unknown = sorted(set(entry) - {"preset", "model", "paper_params"})
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (known: preset, model, paper_params)")
+        for key in ("preset", "model"):
+            if key not in entry:
+                raise UserError(f"{where}: {key} is missing")
+        name = entry["preset"]
+        if not isinstance(entry["model"], dict):
+            raise UserError(f"{where} ({name}): model must be an object of model settings")
+        paper_params = entry.get("paper_params")
+        is_number = isinstance(paper_params, (int, float)) and not isinstance(paper_params, bool)
+        if paper_params is not None and not is_number:
+            raise UserError(f"{where} ({name}): paper_params = {paper_params!r} must be a number or null")
+        try:
+            config = ModelConfig.from_dict(entry["model"])
+        except UserError as error:
+            raise UserError(f"{where} ({name}): {error}") from None
+        rows.append({"preset": name, "params": count_parameters(config), "paper_params": paper_params})
+    return rows
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A plain-text table: preset, params, paper_params, diff% (relative to the paper)."""
+    lines = [("preset", "params", "paper_params", "diff%")]
+    for row in rows:
+        paper = row["paper_params"]
+        lines.append(
+            (
+                str(row["preset"]),
+                f"{row['params']:,}",
+                "-" if paper is None else f"{paper:,.0f}",
+                "-" if not paper else f"{100.0 * (row['params'] - paper) / paper:+.1f}",
+            )
+        )
+    widths = [max(len(line[column]) for line in lines) for column in range(4)]
+    formatted = []
+    for line in lines:
+        # Names flush left, numbers flush right, so the digits line up.
+        cells = [line[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(line[1:], widths[1:])]
+        formatted.append("  ".join(cells))
+    return "\n".join(formatted)
+
+
+@cli
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m aiayn.params",
+        description="Count model parameters and compare them with the paper's params column (Table 3).",
+    )
+    parser.add_argument(
+        "--preset-json",
+        required=True,
+        help='a JSON list of {"preset": name, "model": {ModelConfig fields}, "paper_params": number or null}',
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list of {preset, params, paper_params}")
+    args = parser.parse_args(argv)
+    try:
+        presets = json.loads(args.preset_json)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--preset-json is not valid JSON ({error})") from None
+    rows = parameter_rows(presets)
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

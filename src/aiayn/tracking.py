@@ -1,0 +1,212 @@
+"""MLflow tracking for every run, with a plain JSONL copy of the metrics beside the checkpoints.
+
+MLflow is imported lazily: training on a bare GPU image without it still writes
+``metrics.jsonl`` (and says so once). The run id is written to ``<run_dir>/mlflow_run_id``
+so that a resumed job continues the same run and later stages (averaging, decoding,
+scoring) log into it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from aiayn.config import REPO_ROOT
+from aiayn.errors import UserError
+
+RUN_ID_FILE = "mlflow_run_id"
+
+
+def resolve_tracking_uri(configured: str | None) -> str:
+    """``MLFLOW_TRACKING_URI`` from the environment wins over the config's value."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or configured or "sqlite:///results/mlflow.db"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        commit = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``: MLflow params are flat strings."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
+    else:
+        out[prefix] = json.dumps(value) if isinstance(value, (list, tuple, bool)) or value is None else str(value)
+    return out
+
+
+def _retry(action: Callable[[], Any], what: str, tries: int = 8) -> Any:
+    """SQLite stores answer "database is locked" when several jobs write at once: wait and retry."""
+    delay = 0.2
+    for attempt in range(tries):
+        try:
+            return action()
+        except Exception as error:  # MlflowException wraps the driver's OperationalError
+            transient = "locked" in str(error).lower() or "busy" in str(error).lower()
+            if not transient or attempt == tries - 1:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    return None
+
+
+def _ensure_sqlite_folder(uri: str) -> None:
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+
+
+class Tracker:
+    """One MLflow run per trained model (rank 0 only), and ``metrics.jsonl`` always."""
+
+    def __init__(self, run_dir: str | Path, tracking_uri: str | None, experiment: str, run_name: str,
+                 enabled: bool = True, system_metrics: bool = True):
+        self.run_dir = Path(run_dir)
+        self.uri = resolve_tracking_uri(tracking_uri)
+        self.experiment = experiment
+        self.run_name = run_name
+        self.enabled = enabled
+        self.system_metrics = system_metrics
+        self.client = None
+        self.run_id: str | None = None
+        self._pending: list = []
+        self._jsonl = None
+
+    # lifecycle ---------------------------------------------------------------------------
+    def start(self, params: dict[str, str], tags: dict[str, str]) -> str | None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if not self.enabled:
+            return None
+        try:
+            import mlflow
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            print("warning: mlflow is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+            self.enabled = False
+            return None
+        _ensure_sqlite_folder(self.uri)
+        mlflow.set_tracking_uri(self.uri)
+        self.client = MlflowClient(self.uri)
+        id_file = self.run_dir / RUN_ID_FILE
+        try:
+            experiment = _retry(lambda: self.client.get_experiment_by_name(self.experiment), "experiment")
+            experiment_id = experiment.experiment_id if experiment else _retry(
+                lambda: self.client.create_experiment(self.experiment), "create experiment")
+            if id_file.exists():
+                self.run_id = id_file.read_text().strip()
+                _retry(lambda: self.client.update_run(self.run_id, status="RUNNING"), "resume run")
+            else:
+                run = _retry(lambda: self.client.create_run(experiment_id, run_name=self.run_name, tags=tags), "run")
+                self.run_id = run.info.run_id
+                id_file.write_text(self.run_id + "\n")
+                from mlflow.entities import Param
+
+                items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+                for start in range(0, len(items), 100):
+                    _retry(lambda: self.client.log_batch(self.run_id, params=items[start:start + 100]), "params")
+        except Exception as error:
+            if isinstance(error, UserError):
+                raise
+            raise UserError(
+                f"cannot reach the MLflow tracking store at {self.uri} ({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
+                "start it or point tracking_uri (or MLFLOW_TRACKING_URI) at one that answers. Nothing was trained."
+            ) from None
+        if self.system_metrics:
+            try:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=True)
+                self._monitor.start()
+            except Exception as error:  # system metrics are a nicety; training goes on without them
+                print(f"warning: no system metrics ({error})", file=sys.stderr)
+                self._monitor = None
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self.enabled and self.client is not None:
+            from mlflow.entities import Metric
+
+            stamp = int(record["time"] * 1000)
+            self._pending += [Metric(k, float(v), stamp, step) for k, v in metrics.items()]
+            if len(self._pending) >= 200:
+                self.flush()
+
+    def flush(self) -> None:
+        if not (self.enabled and self.client is not None and self._pending):
+            return
+        pending, self._pending = self._pending, []
+        try:
+            for start in range(0, len(pending), 1000):
+                _retry(lambda: self.client.log_batch(self.run_id, metrics=pending[start:start + 1000]), "metrics")
+        except Exception as error:
+            # a store that goes away must not stop training: the JSONL copy has every metric
+            print(f"warning: MLflow logging failed ({error}); metrics kept in metrics.jsonl", file=sys.stderr)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.enabled and self.client is not None:
+            for key, value in tags.items():
+                _retry(lambda: self.client.set_tag(self.run_id, key, value), "tag")
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.enabled and self.client is not None:
+            _retry(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path), "artifact")
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.flush()
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            try:
+                monitor.finish()
+            except Exception:
+                pass
+        if self.enabled and self.client is not None:
+            try:
+                _retry(lambda: self.client.set_terminated(self.run_id, status), "end run")
+            except Exception as error:
+                print(f"warning: could not mark MLflow run {self.run_id} {status} ({error})", file=sys.stderr)
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics: dict[str, float],
+                        artifacts: list[str | Path] = (), artifact_path: str | None = None,
+                        params: dict[str, str] | None = None) -> str | None:
+    """Log metrics/artifacts of a later stage into the training run named by ``final.json``."""
+    info = json.loads(Path(run_file).read_text())
+    run_id = info.get("mlflow_run_id")
+    if not run_id:
+        print(f"warning: {run_file} names no MLflow run; metrics not tracked", file=sys.stderr)
+        return None
+    try:
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        print("warning: mlflow is not installed; metrics not tracked", file=sys.stderr)
+        return None
+    uri = resolve_tracking_uri(tracking_uri)
+    client = MlflowClient(uri)
+    stamp = int(time.time() * 1000)
+    batch = [Metric(k, float(v), stamp, int(info.get("step", 0))) for k, v in metrics.items()]
+    param_items = [Param(k, str(v)) for k, v in (params or {}).items()]
+    _retry(lambda: client.log_batch(run_id, metrics=batch, params=param_items), "metrics")
+    for path in artifacts:
+        _retry(lambda: client.log_artifact(run_id, str(path), artifact_path), "artifact")
+    return run_id

@@ -1,0 +1,69 @@
+"""Shared fixtures: small corpora in the real on-disk formats, made by the tests themselves."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+# No network in tests: the hub libraries must fail at once instead of retrying.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+EN_WORDS = "the a man woman dog cat sees likes house garden big small red old runs sleeps quickly today".split()
+DE_WORDS = "der die das mann frau hund katze sieht mag haus garten groß klein rot alt läuft schläft schnell heute".split()
+
+
+def make_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Word-for-word pairs with umlauts and varied lengths: enough for BPE and binarisation."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        idx = [rng.randrange(len(EN_WORDS)) for _ in range(rng.randint(2, 14))]
+        pairs.append((" ".join(EN_WORDS[i] for i in idx) + " .", " ".join(DE_WORDS[i] for i in idx) + " ."))
+    return pairs
+
+
+def write_text_corpus(folder: Path, sizes=(("train", 400), ("dev", 40), ("test", 40))) -> dict:
+    """``<split>.en`` / ``<split>.de`` files; returns the `data.local` config that points at them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    local = {}
+    for seed, (split, n) in enumerate(sizes):
+        pairs = make_pairs(n, seed)
+        (folder / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+        (folder / f"{split}.de").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+        local[split] = {"src": str(folder / f"{split}.en"), "tgt": str(folder / f"{split}.de")}
+    return local
+
+
+def data_section(**overrides) -> dict:
+    section = {"source": "local", "src_lang": "en", "tgt_lang": "de", "max_chars": 1000,
+               "hub": {"path": "wmt/wmt14", "name": "de-en", "revision": "main",
+                       "splits": {"train": "train", "dev": "validation", "test": "test"}},
+               "local": {}, "demo": {"seed": 1, "train": 100, "dev": 10, "test": 10}}
+    section.update(overrides)
+    return section
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """A small corpus taken through download, bpe and binarise (train and dev)."""
+    from aiayn.binarize import binarize_split
+    from aiayn.bpe import learn_bpe
+    from aiayn.data import download
+
+    root = tmp_path_factory.mktemp("prepared")
+    local = write_text_corpus(root / "raw", (("train", 1200), ("dev", 60), ("test", 60)))
+    download(data_section(local=local), root / "data")
+    learn_bpe([root / "data" / "train.en", root / "data" / "train.de"], root / "bpe", vocab_size=120,
+              input_sentence_size=0, threads=1)
+    for split in ("train", "dev"):
+        binarize_split(split, root / "data" / f"{split}.en", root / "data" / f"{split}.de", root / "bpe" / "spm.model",
+                       root / "bin" / split, max_tokens=64 if split == "train" else None, workers=1)
+    return root

@@ -1,0 +1,211 @@
+"""Tests for aiayn.average: the streaming float64 mean of checkpoints and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiayn.average import average_checkpoints, last_checkpoints, load_checkpoint, main, save_model
+from aiayn.errors import UserError
+
+MODEL_CONFIG = {"vocab_size": 11, "n_layers": 1, "d_model": 4, "d_ff": 8, "n_heads": 2, "d_head": 2,
+                "dropout": 0.1, "positional": "sinusoidal"}
+
+
+def make_state(seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(11, 4, generator=generator)
+    return {
+        "embedding.weight": embedding,
+        "generator.weight": embedding,  # tied, as in the paper
+        "layer.linear.weight": torch.randn(4, 4, generator=generator),
+        "layer.linear.bias": torch.randn(4, generator=generator).to(torch.bfloat16),
+        "step_counter": torch.tensor(7),
+    }
+
+
+def write_checkpoint(path, step, state=None, **overrides):
+    state = make_state(step) if state is None else state
+    checkpoint = {
+        "format": "aiayn-checkpoint-v1",
+        "step": step,
+        "model_config": dict(MODEL_CONFIG),
+        "model": state,
+        "optimizer": {"state": {0: {"exp_avg": torch.zeros(4, 4)}}, "param_groups": [{"lr": 1e-3}]},
+        "scheduler": {"last_epoch": step},
+        "rng": {"torch": torch.get_rng_state()},
+        "config": {"seed": 1},
+        "vocab_fingerprint": "vocab-aaaa",
+        "data_fingerprint": "data-bbbb",
+    }
+    checkpoint.update(overrides)
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    return [write_checkpoint(tmp_path / "step_00000100.pt", 100), write_checkpoint(tmp_path / "step_00000200.pt", 200)]
+
+
+def test_average_of_two_checkpoints_is_their_elementwise_mean(two_checkpoints):
+    first, second = make_state(100), make_state(200)
+    averaged = average_checkpoints(two_checkpoints)["model"]
+    for key in ("embedding.weight", "layer.linear.weight", "layer.linear.bias"):
+        expected = ((first[key].double() + second[key].double()) / 2).to(first[key].dtype)
+        assert averaged[key].dtype == first[key].dtype
+        assert torch.equal(averaged[key], expected)
+
+
+def test_float32_mean_is_accumulated_in_float64(tmp_path):
+    # In float32 the sum of two values near the float32 maximum overflows to inf.
+    big = torch.full((3,), 3.0e38, dtype=torch.float32)
+    paths = [write_checkpoint(tmp_path / f"step_{step:08d}.pt", step, state={"w": big.clone()}) for step in (1, 2)]
+    assert torch.isinf(big + big).all()
+    averaged = average_checkpoints(paths)["model"]["w"]
+    assert averaged.dtype == torch.float32
+    assert torch.equal(averaged, big)
+
+
+def test_integer_tensors_are_taken_from_the_last_checkpoint(tmp_path):
+    paths = []
+    for step, count in ((1, 3), (2, 5)):
+        state = {"w": torch.ones(2), "count": torch.tensor([count])}
+        paths.append(write_checkpoint(tmp_path / f"step_{step:08d}.pt", step, state=state))
+    averaged = average_checkpoints(paths)["model"]["count"]
+    assert averaged.dtype == torch.int64 and averaged.tolist() == [5]
+
+
+def test_result_loads_with_weights_only_and_has_no_optimizer_state(two_checkpoints, tmp_path):
+    output = tmp_path / "average" / "model.pt"
+    save_model(average_checkpoints(two_checkpoints), output)
+    model = torch.load(output, map_location="cpu", weights_only=True)
+    assert model["format"] == "aiayn-model-v1"
+    assert not {"optimizer", "scheduler", "rng"} & set(model)
+    assert model["averaged_steps"] == [100, 200]
+    assert model["averaged_from"] == ["step_00000100.pt", "step_00000200.pt"]
+    assert model["model_config"] == MODEL_CONFIG
+    assert model["vocab_fingerprint"] == "vocab-aaaa" and model["data_fingerprint"] == "data-bbbb"
+
+
+def test_tied_weights_stay_tied_after_averaging(two_checkpoints, tmp_path):
+    output = tmp_path / "model.pt"
+    save_model(average_checkpoints(two_checkpoints), output)
+    state = torch.load(output, map_location="cpu", weights_only=True)["model"]
+    assert state["embedding.weight"].untyped_storage().data_ptr() == state["generator.weight"].untyped_storage().data_ptr()
+
+
+def test_averaged_models_can_be_averaged_again(two_checkpoints, tmp_path):
+    model_path = tmp_path / "model.pt"
+    save_model(average_checkpoints(two_checkpoints), model_path)
+    third = write_checkpoint(tmp_path / "step_00000300.pt", 300)
+    again = average_checkpoints([model_path, third])
+    once = average_checkpoints(two_checkpoints)["model"]["layer.linear.weight"].double()
+    expected = ((once + make_state(300)["layer.linear.weight"].double()) / 2).float()
+    assert torch.equal(again["model"]["layer.linear.weight"], expected)
+    assert again["averaged_steps"] == [100, 200, 300]
+
+
+def test_different_architectures_are_refused_naming_the_key(tmp_path):
+    first = write_checkpoint(tmp_path / "step_00000001.pt", 1)
+    config = dict(MODEL_CONFIG, n_layers=2)
+    second = write_checkpoint(tmp_path / "step_00000002.pt", 2, model_config=config)
+    with pytest.raises(UserError) as raised:
+        average_checkpoints([first, second])
+    message = str(raised.value)
+    assert "n_layers" in message and str(first) in message and str(second) in message
+
+
+def test_different_vocabularies_are_refused(tmp_path):
+    first = write_checkpoint(tmp_path / "step_00000001.pt", 1)
+    second = write_checkpoint(tmp_path / "step_00000002.pt", 2, vocab_fingerprint="vocab-zzzz")
+    with pytest.raises(UserError, match="vocab_fingerprint"):
+        average_checkpoints([first, second])
+
+
+def test_different_parameter_shapes_are_refused_naming_the_key(tmp_path):
+    first = write_checkpoint(tmp_path / "step_00000001.pt", 1)
+    state = make_state(2)
+    state["layer.linear.weight"] = torch.zeros(4, 5)
+    second = write_checkpoint(tmp_path / "step_00000002.pt", 2, state=state)
+    with pytest.raises(UserError, match="layer.linear.weight"):
+        average_checkpoints([first, second])
+
+
+def test_missing_parameter_is_refused_naming_the_key(tmp_path):
+    first = write_checkpoint(tmp_path / "step_00000001.pt", 1)
+    state = make_state(2)
+    del state["layer.linear.bias"]
+    second = write_checkpoint(tmp_path / "step_00000002.pt", 2, state=state)
+    with pytest.raises(UserError, match="layer.linear.bias"):
+        average_checkpoints([first, second])
+
+
+def test_file_without_format_is_not_an_aiayn_checkpoint(tmp_path):
+    path = tmp_path / "foreign.pt"
+    torch.save({"model": {"w": torch.ones(1)}}, path)
+    with pytest.raises(UserError, match="not an aiayn checkpoint"):
+        load_checkpoint(path)
+
+
+def test_truncated_file_is_refused_naming_the_file(tmp_path):
+    path = write_checkpoint(tmp_path / "step_00000001.pt", 1)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError) as raised:
+        average_checkpoints([path])
+    assert str(path) in str(raised.value) and "truncated" in str(raised.value)
+
+
+def test_no_inputs_are_refused():
+    with pytest.raises(UserError, match="no checkpoints"):
+        average_checkpoints([])
+
+
+def test_cli_writes_the_average(two_checkpoints, tmp_path, capsys):
+    output = tmp_path / "model.pt"
+    assert main(["--output", str(output), *map(str, two_checkpoints)]) == 0
+    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [100, 200]
+    assert "averaged 2 files" in capsys.readouterr().out
+
+
+def test_cli_averages_the_last_k_of_a_directory(tmp_path):
+    for step in (100, 200, 300):
+        write_checkpoint(tmp_path / f"step_{step:08d}.pt", step)
+    output = tmp_path / "model.pt"
+    assert main(["--output", str(output), "--last", "2", "--checkpoint-dir", str(tmp_path)]) == 0
+    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [200, 300]
+
+
+def test_cli_exits_2_and_writes_nothing_when_averaging_fails(tmp_path, capsys):
+    first = write_checkpoint(tmp_path / "step_00000001.pt", 1)
+    second = write_checkpoint(tmp_path / "step_00000002.pt", 2, vocab_fingerprint="vocab-zzzz")
+    output = tmp_path / "out" / "model.pt"
+    assert main(["--output", str(output), str(first), str(second)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert not output.exists()
+
+
+def test_interrupted_save_leaves_no_file_behind(tmp_path):
+    output = tmp_path / "model.pt"
+    with pytest.raises(Exception):
+        save_model({"unpicklable": lambda: None}, output)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_last_checkpoints_are_ordered_by_step_not_by_name(tmp_path):
+    # Names written without zero padding would sort 1000 before 200 as text.
+    for name in ("step_00000200.pt", "step_1000.pt", "step_00000300.pt", "step_00000100.pt", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [path.name for path in last_checkpoints(tmp_path, 3)] == [
+        "step_00000200.pt", "step_00000300.pt", "step_1000.pt"]
+
+
+def test_too_few_checkpoints_name_the_directory_count_and_k(tmp_path):
+    for step in (100, 200):
+        (tmp_path / f"step_{step:08d}.pt").write_bytes(b"")
+    with pytest.raises(UserError) as raised:
+        last_checkpoints(tmp_path, 5)
+    message = str(raised.value)
+    assert str(tmp_path) in message and "2 checkpoints" in message and "last 5" in message

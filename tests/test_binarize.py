@@ -1,0 +1,49 @@
+"""The binarise stage: compact arrays that decode back to exactly the BPE pieces."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aiayn.binarize import binarize_split, load_split
+from aiayn.bpe import load_processor, vocab_fingerprint
+from aiayn.fileio import fingerprint_files
+
+
+def test_binarised_data_decodes_back_to_exactly_the_bpe_pieces(prepared):
+    processor = load_processor(prepared / "bpe" / "spm.model")
+    split = load_split(prepared / "bin" / "dev")
+    src_lines = (prepared / "data" / "dev.en").read_text(encoding="utf-8").splitlines()
+    tgt_lines = (prepared / "data" / "dev.de").read_text(encoding="utf-8").splitlines()
+    assert len(split) == len(src_lines)
+    for i, line in enumerate(split.lines):
+        assert split.src(i).tolist() == processor.encode(src_lines[line])
+        assert split.tgt(i).tolist() == processor.encode(tgt_lines[line])
+        assert processor.decode(split.tgt(i).tolist()) == tgt_lines[line]
+
+
+def test_small_vocabularies_are_stored_as_uint16_with_fingerprints(prepared):
+    split = load_split(prepared / "bin" / "train")
+    assert split.src_ids.dtype == np.uint16 and split.tgt_ids.dtype == np.uint16
+    assert split.meta["vocab_fingerprint"] == vocab_fingerprint(prepared / "bpe" / "spm.model")
+    assert split.meta["data_fingerprint"] == fingerprint_files(prepared / "data" / "train.en", prepared / "data" / "train.de")
+
+
+def test_the_length_filter_drops_and_counts_long_training_pairs(prepared, tmp_path):
+    meta = binarize_split("train", prepared / "data" / "train.en", prepared / "data" / "train.de",
+                          prepared / "bpe" / "spm.model", tmp_path / "train", max_tokens=12, workers=1)
+    split = load_split(tmp_path / "train")
+    assert meta["dropped_too_long"] > 0
+    assert meta["pairs_kept"] + meta["dropped_too_long"] + meta["dropped_empty"] == meta["pairs_in"] == 1200
+    assert split.src_lengths.max() <= 12 and split.tgt_lengths.max() <= 12
+    assert len(split) == meta["pairs_kept"]
+
+
+def test_two_processes_give_the_same_arrays_as_one(prepared, tmp_path, monkeypatch):
+    import aiayn.binarize as binarize
+
+    monkeypatch.setattr(binarize, "CHUNK_PAIRS", 300)  # several chunks over the 1200 pairs
+    args = ("train", prepared / "data" / "train.en", prepared / "data" / "train.de", prepared / "bpe" / "spm.model")
+    binarize_split(*args, tmp_path / "one", max_tokens=64, workers=1)
+    binarize_split(*args, tmp_path / "two", max_tokens=64, workers=2)
+    for name in ("src.ids", "src.offsets", "tgt.ids", "tgt.offsets", "lines"):
+        assert np.array_equal(np.load(tmp_path / "one" / f"{name}.npy"), np.load(tmp_path / "two" / f"{name}.npy"))

@@ -1,0 +1,47 @@
+"""The bpe stage: one shared SentencePiece vocabulary with fixed special ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, learn_bpe, load_processor
+from aiayn.errors import UserError
+
+
+def test_bpe_round_trips_text_exactly(prepared):
+    processor = load_processor(prepared / "bpe" / "spm.model")
+    for lang in ("en", "de"):
+        lines = (prepared / "data" / f"dev.{lang}").read_text(encoding="utf-8").splitlines()
+        assert [processor.decode(processor.encode(line)) for line in lines] == lines
+
+
+def test_one_vocabulary_serves_both_languages(prepared):
+    processor = load_processor(prepared / "bpe" / "spm.model")
+    info = json.loads((prepared / "bpe" / "bpe.json").read_text())
+    assert processor.get_piece_size() == info["vocab_size"] == 120 and info["shared"]
+    pieces = {processor.id_to_piece(i) for i in range(processor.get_piece_size())}
+    assert "▁the" in pieces and "▁der" in pieces  # whole words of both sides are in the one vocabulary
+    assert not any(processor.unk_id() in processor.encode(word) for word in ("läuft", "quickly", "schläft"))
+
+
+def test_special_symbols_have_fixed_ids(prepared):
+    processor = load_processor(prepared / "bpe" / "spm.model")
+    assert (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
+
+
+def test_the_vocabulary_is_deterministic_and_fingerprinted(prepared, tmp_path):
+    files = [prepared / "data" / "train.en", prepared / "data" / "train.de"]
+    first = learn_bpe(files, tmp_path / "a", vocab_size=120, input_sentence_size=500, seed=7, threads=1)
+    second = learn_bpe(files, tmp_path / "b", vocab_size=120, input_sentence_size=500, seed=7, threads=1)
+    assert first["fingerprint"] == second["fingerprint"]
+    assert (tmp_path / "a" / "spm.vocab").read_text() == (tmp_path / "b" / "spm.vocab").read_text()
+    assert first["data_fingerprint"] == json.loads((prepared / "bpe" / "bpe.json").read_text())["data_fingerprint"]
+
+
+def test_a_vocabulary_the_corpus_cannot_support_is_a_clear_error(prepared, tmp_path):
+    files = [prepared / "data" / "train.en", prepared / "data" / "train.de"]
+    with pytest.raises(UserError, match=r"bpe\.vocab_size = 50000 is more than the training data .* \(at most \d+\)"):
+        learn_bpe(files, tmp_path / "big", vocab_size=50000, input_sentence_size=0, threads=1)
+    assert not (tmp_path / "big" / "spm.model").exists()
