@@ -41,7 +41,11 @@ def main(argv=None) -> int:
         print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except BrokenPipeError:  # `aiayn ... | head`: the reader left, which is not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

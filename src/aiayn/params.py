@@ -86,23 +86,41 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(formatted)
 
 
+def presets_from_config(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The ``--preset-json`` entries of every preset a config trains, with its vocabulary size."""
+    from aiayn.config import load_config, model_fields, resolve_preset
+
+    config = load_config(paths)
+    entries = []
+    for name in config["models"]:
+        preset = resolve_preset(config, name)
+        model = {"vocab_size": config["bpe"]["vocab_size"], **model_fields(preset)}
+        entries.append({"preset": name, "model": model, "paper_params": preset["paper"].get("params")})
+    return entries
+
+
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m aiayn.params",
         description="Count model parameters and compare them with the paper's params column (Table 3).",
     )
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order): every preset in `models`, at bpe.vocab_size")
+    source.add_argument(
         "--preset-json",
-        required=True,
         help='a JSON list of {"preset": name, "model": {ModelConfig fields}, "paper_params": number or null}',
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of {preset, params, paper_params}")
     args = parser.parse_args(argv)
-    try:
-        presets = json.loads(args.preset_json)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--preset-json is not valid JSON ({error})") from None
+    if args.config:
+        presets = presets_from_config(args.config)
+    else:
+        try:
+            presets = json.loads(args.preset_json)
+        except json.JSONDecodeError as error:
+            raise UserError(f"--preset-json is not valid JSON ({error})") from None
     rows = parameter_rows(presets)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0

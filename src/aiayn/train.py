@@ -390,7 +390,7 @@ def train(job: TrainJob) -> dict:
             lr = learning_rate(step, model_config.d_model, settings.warmup_steps, settings.lr_scale)
             for group_params in optimizer.param_groups:
                 group_params["lr"] = lr
-            loss_sum = nll_sum = 0.0
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll: one sync per step, not per batch
             for position, (index, batch) in enumerate(micro):
                 batch = batch.to(device)
                 torch.manual_seed(micro_batch_seed(settings.seed, step, index))
@@ -403,16 +403,18 @@ def train(job: TrainJob) -> dict:
                     # DDP averages gradients over processes; scale so that the result is the sum
                     # over the whole step's target tokens divided by their number.
                     (loss * (world / step_tokens)).backward()
-                loss_sum += loss.item()
-                nll_sum += nll.item()
-            loss_sum, nll_sum = dist.all_sum([loss_sum, nll_sum], device)
+                sums += torch.stack([loss.detach(), nll.detach()]).double()
+            if world > 1:
+                torch.distributed.all_reduce(sums)
+            loss_sum, nll_sum = sums.tolist()
             if not math.isfinite(loss_sum):
                 raise TrainingDiverged(
                     f"the training loss became {loss_sum} at step {step} (preset {job.preset['name']}); the last "
                     f"good checkpoint is kept in {checkpoint_dir}. Lower lr_scale or raise warmup_steps, "
                     "then rerun to resume from it"
                 )
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+            # measured, not clipped (the paper does not clip); read only when logged, to avoid a sync
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             progress.step = step
@@ -431,7 +433,7 @@ def train(job: TrainJob) -> dict:
                 metrics = {
                     "train_loss": window["loss"] / window["tokens"], "train_nll": window["nll"] / window["tokens"],
                     "train_ppl": math.exp(min(window["nll"] / window["tokens"], 50.0)), "lr": lr,
-                    "grad_norm": grad_norm, "target_tokens_per_second": tokens_per_second,
+                    "grad_norm": grad_norm.item(), "target_tokens_per_second": tokens_per_second,
                     "tokens_per_step": window["tokens"] / window["steps"],
                     "padding_efficiency": window["real"] / max(window["padded"], 1),
                     "train_flops": progress.train_flops, "epoch": progress.epoch,

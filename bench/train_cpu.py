@@ -1,0 +1,192 @@
+"""Training throughput of our step against Hugging Face MarianMT at the same size, side by side.
+
+Both models are the paper's post-norm, sinusoidal, shared-embedding Transformer built at the
+same size, fed the same synthetic length-bucketed batches, trained with label-smoothed cross
+entropy (0.1) and Adam at the same precision, in one process, one after the other, with the
+median of the timed steps reported. `transformers` is only needed for the peer:
+
+    python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy
+    PYTHONPATH=src /tmp/benchvenv/bin/python bench/train_cpu.py            # CPU, base size
+    PYTHONPATH=src python bench/train_cpu.py --device cuda --preset big --tokens 25000 --no-peer
+
+The last line is `ratio=<ours/peer>` (target tokens per second) for the precision at which ours
+is fastest, or `ratio=nan` without a peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from aiayn.model import ModelConfig, Transformer
+from aiayn.train import forward_flops, label_smoothed_loss, peak_flops
+
+PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
+    "base": (6, 512, 2048, 8),
+    "big": (6, 1024, 4096, 16),
+    "small": (3, 256, 1024, 4),
+}
+
+
+def synthetic_batches(vocab: int, tokens: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Length-bucketed batches: within a batch similar lengths (as our batcher makes), across batches 10-60."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        length = int(torch.randint(10, 60, (1,), generator=generator))
+        rows = max(1, tokens // length)
+        src_len = torch.randint(max(1, length - 3), length + 1, (rows,), generator=generator)
+        tgt_len = torch.randint(max(1, length - 3), length + 1, (rows,), generator=generator)
+        src = torch.randint(4, vocab, (rows, length), generator=generator)
+        tgt = torch.randint(4, vocab, (rows, length + 1), generator=generator)
+        src[torch.arange(length)[None, :] >= src_len[:, None]] = 0
+        tgt[torch.arange(length + 1)[None, :] >= tgt_len[:, None] + 1] = 0
+        tgt_in, tgt_out = tgt[:, :-1].clone(), tgt[:, 1:].clone()
+        tgt_in[:, 0] = 2
+        batches.append((src, tgt_in, tgt_out))
+    return batches
+
+
+def autocast(device: str, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_ours(config: ModelConfig, device: str):
+    model = Transformer(config).to(device)
+
+    def step(src, tgt_in, tgt_out):
+        logits = model(src, tgt_in)
+        loss, _ = label_smoothed_loss(logits, tgt_out, 0.1)
+        return loss / (tgt_out != 0).sum()
+
+    return model, step
+
+
+def build_marian(config: ModelConfig, device: str):
+    from transformers import MarianConfig, MarianMTModel
+
+    marian = MarianConfig(
+        vocab_size=config.vocab_size, decoder_vocab_size=config.vocab_size, d_model=config.d_model,
+        encoder_layers=config.n_layers, decoder_layers=config.n_layers, encoder_attention_heads=config.n_heads,
+        decoder_attention_heads=config.n_heads, encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff,
+        activation_function="relu", dropout=config.dropout, attention_dropout=0.0, activation_dropout=0.0,
+        max_position_embeddings=1024, scale_embedding=True, share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
+    )
+    model = MarianMTModel._from_config(marian, attn_implementation="sdpa").to(device)
+
+    def step(src, tgt_in, tgt_out):
+        logits = model(input_ids=src, attention_mask=src != 0, decoder_input_ids=tgt_in,
+                       decoder_attention_mask=tgt_in != 0).logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt_out.reshape(-1),
+                               ignore_index=0, label_smoothing=0.1)
+
+    return model, step
+
+
+def measure(build, config, batches, device: str, precision: str, warmup: int, compile_model: bool = False) -> dict:
+    torch.manual_seed(0)
+    model, step = build(config, device)
+    if compile_model:
+        model.forward = torch.compile(model.forward)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                 fused=True if device == "cuda" else None)
+    times, tokens, flops = [], [], []
+    for index, (src, tgt_in, tgt_out) in enumerate(batches):
+        src, tgt_in, tgt_out = src.to(device), tgt_in.to(device), tgt_out.to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast(device, precision):
+            loss = step(src, tgt_in, tgt_out)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if not math.isfinite(loss.item()):
+            raise RuntimeError("non-finite loss in the benchmark")
+        if index >= warmup:
+            times.append(elapsed)
+            tokens.append(int((tgt_out != 0).sum()))
+            flops.append(3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)))
+    rates = [t / s for t, s in zip(tokens, times)]
+    result = {"tokens_per_second": statistics.median(rates), "step_seconds": statistics.median(times),
+              "flops_per_second": statistics.median([f / s for f, s in zip(flops, times)])}
+    del model, optimizer
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="base")
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--tokens", type=int, default=4000, help="target tokens per step (and about as many source)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="also time our model under torch.compile")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--project-steps", type=int, default=0,
+                        help="also print the hours this many steps would take at the measured speed")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    layers, d_model, d_ff, heads = PRESETS[args.preset]
+    config = ModelConfig(vocab_size=args.vocab, n_layers=layers, d_model=d_model, d_ff=d_ff, n_heads=heads)
+    batches = synthetic_batches(args.vocab, args.tokens, args.warmup + args.steps)
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    peer = not args.no_peer
+    if peer:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("transformers is not installed: no peer (see this file's docstring to install it)", file=sys.stderr)
+            peer = False
+    peak = peak_flops(torch.device(args.device))
+    print(f"# {args.preset} ({layers} layers, d_model {d_model}), vocab {args.vocab}, {args.tokens} target tokens/step, "
+          f"{args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    best = None
+    for precision in precisions:
+        ours = measure(build_ours, config, batches, args.device, precision, args.warmup)
+        line = f"{precision}: ours {ours['tokens_per_second']:.0f} tok/s ({ours['step_seconds']:.3f} s/step)"
+        if peak:
+            line += f", MFU {ours['flops_per_second'] / peak:.1%}"
+        if args.compile:
+            compiled = measure(build_ours, config, batches, args.device, precision, args.warmup, compile_model=True)
+            line += f"; compiled {compiled['tokens_per_second']:.0f} tok/s"
+            if peak:
+                line += f", MFU {compiled['flops_per_second'] / peak:.1%}"
+            if compiled["tokens_per_second"] > ours["tokens_per_second"]:
+                ours = compiled
+        ratio = float("nan")
+        if peer:
+            marian = measure(build_marian, config, batches, args.device, precision, args.warmup)
+            ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
+            line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
+        if args.project_steps:
+            line += f"; {args.project_steps} steps = {args.project_steps * ours['step_seconds'] / 3600:.1f} h"
+        print(line, flush=True)
+        if best is None or ours["tokens_per_second"] > best[0]:
+            best = (ours["tokens_per_second"], ratio)
+    print(f"ratio={best[1]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
