@@ -1,0 +1,499 @@
+"""The decode stage: batched beam search with incremental decoding (paper, Section 6.1).
+
+The paper decodes with beam size 4, length penalty alpha = 0.6, a maximum output length of input
+length + 50, and terminates early when possible. This module is that search as tensor operations
+over sentences x beams, driven by the model's cached one-token step (``Transformer.decode_step``):
+the encoder-decoder keys and values are computed once per sentence, the decoder's self-attention
+keys and values are appended one position per step.
+
+Top-down: the search settings, the length penalty, the greedy reference decoder, the beam search,
+batched translation of text, model loading, and the ``aiayn decode`` CLI.
+
+Imports torch alone at module level; sentencepiece and tqdm are imported where they are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.errors import UserError, cli
+
+# The vocabulary's fixed ids (aiayn.bpe): repeated here so that this module needs no sentencepiece import.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How to search; the defaults are the paper's (Section 6.1, PAPER.md "Inference")."""
+
+    beam_size: int = 4
+    length_penalty: float = 0.6  # alpha of GNMT's ((5 + length) / 6) ** alpha
+    max_len_a: float = 1.0  # an output has at most floor(max_len_a * source_length + max_len_b) tokens
+    max_len_b: int = 50  # the paper: input length + 50
+    n_best: int = 1  # hypotheses returned per sentence, best first
+    early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("beam_size", 1), ("n_best", 1), ("max_len_b", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise UserError(f"decode.{name} = {value!r} must be a whole number of at least {minimum}")
+        for name in ("length_penalty", "max_len_a"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise UserError(f"decode.{name} = {value!r} must be a number")
+        if self.max_len_a < 0:
+            raise UserError(f"decode.max_len_a = {self.max_len_a} must not be negative")
+        if self.n_best > self.beam_size:
+            raise UserError(
+                f"n_best = {self.n_best} is more than beam_size = {self.beam_size} "
+                "(a beam search finds at most beam_size hypotheses; raise beam_size)"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SearchConfig:
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise UserError(f"unknown decode setting(s): {', '.join(unknown)} (known: {', '.join(known)})")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One output: tokens without BOS and EOS, score = log_prob / length_penalty(len(tokens) + 1)."""
+
+    tokens: list[int]
+    score: float
+    log_prob: float  # the sum of the token log-probabilities, the final EOS included
+
+
+def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
+    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (PAPER.md "Inference", the t2t form); alpha = 0 gives 1.
+
+    |Y| counts the final EOS, as tensor2tensor and fairseq count it: an empty translation has length 1.
+    """
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int, pad_id: int = PAD_ID) -> Tensor:
+    """(batch, src_len) -> (batch,) the most tokens each output may have before its EOS.
+
+    The source length counts its EOS (the non-pad tokens), as fairseq's max_len_a * src_len + max_len_b does.
+    """
+    source_lengths = src.ne(pad_id).sum(dim=1)
+    return torch.floor(source_lengths.double() * max_len_a + max_len_b).long()
+
+
+def _position_limit(model: Any) -> int | None:
+    """A learned positional table has a last row; sinusoids extend to any position (Section 3.5)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "positional", None) == "learned":
+        return int(config.max_positions) - 1
+    return None
+
+
+def _output_lengths(model: Any, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+    lengths = max_output_lengths(src, max_len_a, max_len_b)
+    limit = _position_limit(model)
+    # The forced EOS is fed at position max_len, which must exist in a learned table.
+    return lengths.clamp(max=limit) if limit is not None else lengths
+
+
+def _step_log_probs(logits: Tensor, force_eos: Tensor) -> Tensor:
+    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    log_probs[:, PAD_ID] = -math.inf
+    log_probs[:, BOS_ID] = -math.inf
+    not_eos = torch.ones(log_probs.shape[1], dtype=torch.bool, device=log_probs.device)
+    not_eos[EOS_ID] = False
+    return log_probs.masked_fill(force_eos[:, None] & not_eos[None, :], -math.inf)
+
+
+@torch.no_grad()
+def greedy_search(
+    model: Any, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, length_penalty_alpha: float = 0.6
+) -> list[Hypothesis]:
+    """The reference decoder: the most probable next token at every step, with the same cache and limits.
+
+    Beam search with beam_size 1 returns exactly this (the tests hold it to that).
+    """
+    batch = src.shape[0]
+    max_lens = _output_lengths(model, src, max_len_a, max_len_b).to(src.device)
+    longest = int(max_lens.max())
+    memory, src_pad = model.encode(src)
+    cache = model.init_cache(memory, src_pad, longest + 1)
+    tokens = torch.full((batch, longest + 1), PAD_ID, dtype=torch.long, device=src.device)
+    log_prob = torch.zeros(batch, dtype=torch.float32, device=src.device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
+    last = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
+    for step in range(longest + 1):
+        log_probs = _step_log_probs(model.decode_step(last, step, cache), max_lens.eq(step))
+        best_log_prob, last = log_probs.max(dim=-1)
+        log_prob += torch.where(finished, 0.0, best_log_prob)
+        tokens[:, step] = torch.where(finished, PAD_ID, last)
+        finished |= last.eq(EOS_ID)
+        if bool(finished.all()):
+            break
+    hypotheses = []
+    for row, row_log_prob in zip(tokens.tolist(), log_prob.tolist()):
+        output = row[: row.index(EOS_ID)]
+        score = row_log_prob / length_penalty(len(output) + 1, length_penalty_alpha)
+        hypotheses.append(Hypothesis(tokens=output, score=score, log_prob=row_log_prob))
+    return hypotheses
+
+
+@torch.no_grad()
+def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) -> list[list[Hypothesis]]:
+    """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
+
+    The model needs the Transformer's inference API: encode, init_cache, decode_step, reorder_cache.
+
+    Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
+    2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
+    score divided by the length penalty), and the best beam_size others stay live, so the beam is
+    always full (fairseq's scheme). A sentence's search ends at the first of:
+
+    - beam_size hypotheses have finished (fairseq's rule; with beam_size 1 this is greedy decoding);
+    - early termination, the paper's "terminate early when possible" with tensor2tensor's bound:
+      a live hypothesis with log-prob L <= 0 at length l can only finish at a length l' in
+      (l, max_len + 1] with log-prob L' <= L, so its best possible score is L / max(lp(l + 1),
+      lp(max_len + 1)) (for alpha >= 0, the length penalty at the maximum length). Once the
+      n_best-th finished score is at least that bound for the best live hypothesis, no later
+      hypothesis can enter the n_best, so stopping returns what searching on would have returned;
+    - its maximum length floor(max_len_a * source_length + max_len_b), where EOS is forced.
+
+    A sentence whose search has ended leaves the batch (its cache rows are dropped), so short
+    sentences do not wait for long ones.
+    """
+    beam = config.beam_size
+    device = src.device
+    batch = src.shape[0]
+    results: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    if batch == 0:
+        return results
+    max_lens = _output_lengths(model, src, config.max_len_a, config.max_len_b).to(device)
+    longest = int(max_lens.max())
+    width = longest + 1  # token slots: up to max_len tokens (the EOS is not stored), never zero
+
+    memory, src_pad = model.encode(src)
+    cache = model.init_cache(memory, src_pad, longest + 1)
+    # Encoder-decoder keys and values are computed once per sentence above, then copied to its beams.
+    cache = model.reorder_cache(cache, torch.arange(batch, device=device).repeat_interleave(beam))
+
+    sentence_ids = torch.arange(batch, device=device)  # (active,) the input row of each active sentence
+    # All beams start as the same empty hypothesis: only beam 0 may expand at the first step.
+    live_log_probs = torch.full((batch, beam), -math.inf, device=device)
+    live_log_probs[:, 0] = 0.0
+    live_tokens = torch.full((batch * beam, width), PAD_ID, dtype=torch.long, device=device)
+    last_tokens = torch.full((batch * beam,), BOS_ID, dtype=torch.long, device=device)
+    finished_scores = torch.full((batch, beam), -math.inf, device=device)  # sorted, best first
+    finished_log_probs = torch.full((batch, beam), -math.inf, device=device)
+    finished_tokens = torch.full((batch, beam, width), PAD_ID, dtype=torch.long, device=device)
+    candidate_rank = torch.arange(2 * beam, device=device)
+
+    for step in range(longest + 1):
+        active = sentence_ids.shape[0]
+        force_eos = max_lens.eq(step).repeat_interleave(beam)
+        log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos)  # (active * beam, vocab)
+        vocab = log_probs.shape[1]
+        totals = (live_log_probs.reshape(-1, 1) + log_probs).view(active, beam * vocab)
+        top_log_probs, top_index = totals.topk(2 * beam, dim=1)  # (active, 2 * beam), best first
+        top_beam = torch.div(top_index, vocab, rounding_mode="floor")
+        top_token = top_index % vocab
+        source_rows = (torch.arange(active, device=device) * beam)[:, None] + top_beam  # rows of live_tokens
+        is_eos = top_token.eq(EOS_ID)
+
+        # Finish the EOS candidates among the top beam_size; merge with earlier ones, keep the best beam_size.
+        ends = is_eos[:, :beam] & top_log_probs[:, :beam].isfinite()
+        end_log_probs = top_log_probs[:, :beam].masked_fill(~ends, -math.inf)
+        end_scores = end_log_probs / length_penalty(step + 1.0, config.length_penalty)
+        end_tokens = live_tokens[source_rows[:, :beam].reshape(-1)].view(active, beam, width)
+        merged_scores, merged_index = torch.cat([finished_scores, end_scores], dim=1).topk(beam, dim=1)
+        finished_scores = merged_scores
+        finished_log_probs = torch.cat([finished_log_probs, end_log_probs], dim=1).gather(1, merged_index)
+        finished_tokens = torch.cat([finished_tokens, end_tokens], dim=1).gather(
+            1, merged_index[:, :, None].expand(-1, -1, width)
+        )
+
+        # The best beam_size candidates that do not end stay live (there are at least beam_size of them,
+        # as each live hypothesis has one EOS among its candidates).
+        live_positions = (is_eos.long() * 2 * beam + candidate_rank).argsort(dim=1)[:, :beam]
+        live_log_probs = top_log_probs.gather(1, live_positions)
+        keep_rows = source_rows.gather(1, live_positions)  # (active, beam)
+        new_tokens = top_token.gather(1, live_positions)
+
+        done = finished_scores.isfinite().sum(dim=1).ge(beam) | max_lens.le(step)
+        done |= ~live_log_probs[:, 0].isfinite()
+        if config.early_stopping:
+            best_possible_penalty = torch.maximum(
+                length_penalty((max_lens + 1).float(), config.length_penalty),
+                torch.full_like(live_log_probs[:, 0], float(length_penalty(step + 2.0, config.length_penalty))),
+            )
+            done |= finished_scores[:, config.n_best - 1] >= live_log_probs[:, 0] / best_possible_penalty
+
+        shrinking = bool(done.any())
+        if shrinking:
+            _collect(results, sentence_ids[done], finished_scores[done], finished_log_probs[done],
+                     finished_tokens[done], config.n_best)
+            kept = (~done).nonzero().squeeze(1)
+            if kept.numel() == 0:
+                break
+            sentence_ids = sentence_ids[kept]
+            max_lens = max_lens[kept]
+            live_log_probs = live_log_probs[kept]
+            finished_scores = finished_scores[kept]
+            finished_log_probs = finished_log_probs[kept]
+            finished_tokens = finished_tokens[kept]
+            keep_rows = keep_rows[kept]
+            new_tokens = new_tokens[kept]
+        keep_rows = keep_rows.reshape(-1)
+        live_tokens = live_tokens[keep_rows]
+        live_tokens[:, step] = new_tokens.reshape(-1)
+        last_tokens = live_tokens[:, step]
+        cache = _reorder_cache(model, cache, keep_rows, filled=step + 1, batch_changed=shrinking)
+    return results
+
+
+def _reorder_cache(model: Any, cache: Any, index: Tensor, filled: int, batch_changed: bool) -> Any:
+    """model.reorder_cache, without the copies that beam search does not need.
+
+    Reordering moves rows only among the beams of one sentence, and those beams share their
+    encoder-decoder keys and values, so these are left in place unless sentences leave the batch;
+    of the self-attention buffers only the positions written so far are copied. On the CPU this
+    halves the time of a search step (the full copy of every buffer at every step was half of it).
+    Caches other than the Transformer's DecoderCache go through model.reorder_cache.
+    """
+    from aiayn.model import DecoderCache
+
+    if not isinstance(cache, DecoderCache):
+        return model.reorder_cache(cache, index)
+    if batch_changed:
+        cache.memory_keys = cache.memory_keys.index_select(1, index)
+        cache.memory_values = cache.memory_values.index_select(1, index)
+        cache.src_pad = cache.src_pad.index_select(0, index)
+        for name in ("self_keys", "self_values"):
+            old = getattr(cache, name)
+            new = old.new_zeros(old.shape[0], index.shape[0], *old.shape[2:])
+            new[:, :, :, :filled] = old[:, index, :, :filled]
+            setattr(cache, name, new)
+    else:
+        # Advanced indexing copies before the assignment, so rows that swap read their old values.
+        cache.self_keys[:, :, :, :filled] = cache.self_keys[:, index, :, :filled]
+        cache.self_values[:, :, :, :filled] = cache.self_values[:, index, :, :filled]
+    return cache
+
+
+def _collect(
+    results: list[list[Hypothesis]], sentence_ids: Tensor, scores: Tensor, log_probs: Tensor, tokens: Tensor,
+    n_best: int,
+) -> None:
+    """Move the n_best finished hypotheses of sentences that are done into results (once per sentence)."""
+    for sentence, row_scores, row_log_probs, row_tokens in zip(
+        sentence_ids.tolist(), scores[:, :n_best].tolist(), log_probs[:, :n_best].tolist(),
+        tokens[:, :n_best].tolist(),
+    ):
+        results[sentence] = [
+            Hypothesis(tokens=[t for t in hypothesis if t != PAD_ID], score=score, log_prob=log_prob)
+            for score, log_prob, hypothesis in zip(row_scores, row_log_probs, row_tokens)
+            if math.isfinite(score)
+        ]
+
+
+def length_sorted_batches(lengths: Sequence[int], tokens_per_batch: int, beam_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length, longest first, each within the token budget.
+
+    The budget counts padded source tokens times beam_size (each source row becomes beam_size
+    decoder rows); a sentence longer than the budget alone still gets a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        # Sorted longest first, so the batch's padded length is that of its first sentence.
+        padded = lengths[current[0]] if current else lengths[index]
+        if current and (len(current) + 1) * padded * beam_size > tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
+    longest = max(len(sequence) for sequence in sequences)
+    batch = torch.full((len(sequences), longest), PAD_ID, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        batch[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+    return batch.to(device)
+
+
+def translate_hypotheses(
+    model: Any,
+    processor: Any,
+    sentences: Sequence[str],
+    config: SearchConfig = SearchConfig(),
+    tokens_per_batch: int = 8000,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> list[list[Hypothesis]]:
+    """Beam-search each sentence; the n_best hypotheses per sentence in input order.
+
+    A blank line is not decoded: it gets one empty hypothesis with score 0.
+    """
+    from tqdm import tqdm
+
+    if tokens_per_batch < 1:
+        raise UserError(f"tokens_per_batch = {tokens_per_batch} must be at least 1")
+    device = torch.device(device)
+    results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
+    to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
+    if not to_decode:
+        return results
+    # Source sequences are BPE ids then EOS, no BOS (the binarise stage's convention).
+    encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
+    batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
+    # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
+    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with torch.inference_mode(), autocast, tqdm(
+        total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr
+    ) as bar:
+        for batch in batches:
+            hypotheses = beam_search(model, _pad([encoded[i] for i in batch], device), config)
+            for position, sentence_hypotheses in zip(batch, hypotheses):
+                results[to_decode[position]] = sentence_hypotheses
+            bar.update(len(batch))
+    return results
+
+
+def translate_sentences(
+    model: Any,
+    processor: Any,
+    sentences: Sequence[str],
+    config: SearchConfig = SearchConfig(),
+    tokens_per_batch: int = 8000,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> list[str]:
+    """The best translation of each sentence, detokenised, in input order (a blank line gives "")."""
+    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, progress)
+    return [processor.decode(best[0].tokens) if best[0].tokens else "" for best in hypotheses]
+
+
+def translate_n_best(
+    model: Any,
+    processor: Any,
+    sentences: Sequence[str],
+    config: SearchConfig = SearchConfig(),
+    tokens_per_batch: int = 8000,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> list[list[tuple[float, str]]]:
+    """For each sentence, its config.n_best (score, translation) pairs, best first, in input order."""
+    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, progress)
+    return [
+        [(hypothesis.score, processor.decode(hypothesis.tokens) if hypothesis.tokens else "")
+         for hypothesis in sentence_hypotheses]
+        for sentence_hypotheses in hypotheses
+    ]
+
+
+def load_model(path: str, device: torch.device | str = "cpu"):
+    """A trained Transformer from an aiayn checkpoint or averaged model file, in eval mode on device."""
+    from aiayn.checkpoint import load_checkpoint
+    from aiayn.model import ModelConfig, Transformer
+
+    checkpoint = load_checkpoint(path)
+    config = ModelConfig.from_dict(checkpoint["model_config"])
+    model = Transformer(config)
+    try:
+        model.load_state_dict(checkpoint["model"], strict=True)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        raise UserError(
+            f"{path}: its weights do not fit its own model_config ({detail}); the file was written by "
+            "another version of aiayn or is damaged"
+        ) from None
+    return model.to(device).eval()
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is the GPU when there is one; 'cuda' without a GPU is a user error, not a traceback."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but torch sees no GPU here (use --device cpu or auto)")
+    return torch.device(name)
+
+
+def check_vocabulary(model: Any, processor: Any, spm_model: str) -> None:
+    """A model decoded with another vocabulary gives fluent-looking nonsense, so refuse it outright."""
+    pieces = processor.get_piece_size()
+    if pieces != model.config.vocab_size:
+        raise UserError(
+            f"{spm_model} has {pieces} pieces but the model was trained with vocab_size = "
+            f"{model.config.vocab_size}; use the SentencePiece model of the model's own run"
+        )
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="an averaged model.pt or a training checkpoint")
+    parser.add_argument("--spm-model", required=True, help="the run's SentencePiece model (spm.model)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+@cli
+def main(argv: Sequence[str] | None = None) -> None:
+    from aiayn.bpe import load_processor
+    from aiayn.config import add_config_arguments, section_from_arguments
+    from aiayn.fileio import read_lines, write_lines_atomic
+
+    parser = argparse.ArgumentParser(prog="aiayn decode", description=__doc__.splitlines()[0])
+    add_config_arguments(parser, "decode")
+    add_runtime_arguments(parser)
+    parser.add_argument("--input", required=True, help="source text, one sentence a line")
+    parser.add_argument("--output", required=True, help="where to write the translations, one a line")
+    args = parser.parse_args(argv)
+
+    section = dict(section_from_arguments(args, "decode"))
+    tokens_per_batch = int(section.pop("tokens_per_batch", 8000))
+    config = SearchConfig.from_dict(section)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} must be at least 1")
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    sentences = read_lines(args.input)
+    processor = load_processor(args.spm_model)
+    model = load_model(args.model, device)
+    check_vocabulary(model, processor, args.spm_model)
+
+    start = time.perf_counter()
+    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
+    target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())
+    write_lines_atomic(args.output, [processor.decode(best[0].tokens) if best[0].tokens else "" for best in hypotheses])
+    print(
+        f"decoded {len(sentences)} sentences ({target_tokens} target tokens) in {seconds:.1f} s on {device}: "
+        f"{len(sentences) / seconds:.1f} sentences/s, {target_tokens / seconds:.0f} target tokens/s "
+        f"(beam {config.beam_size}, alpha {config.length_penalty}, max length "
+        f"{config.max_len_a:g} * source + {config.max_len_b}, tokens_per_batch {tokens_per_batch})"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The translate command: source sentences on stdin, translations on stdout, with a trained model.
+
+The same beam search as the decode stage (aiayn.search), for trying a model by hand:
+
+    echo "The house is small." | aiayn translate --model model.pt --spm-model spm.model
+
+Output format: with ``--n-best 1`` (the default) one translation a line, one line for each input
+line. With ``--n-best N`` each input line gets N lines ``score<TAB>translation``, best first
+(score = log-probability / length penalty), and a blank line ends each sentence's block.
+All of stdin is read before decoding starts, so that sentences of similar length share batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence, TextIO
+
+import torch
+
+from aiayn.errors import UserError, cli
+from aiayn.search import (
+    SearchConfig,
+    add_runtime_arguments,
+    check_vocabulary,
+    load_model,
+    resolve_device,
+    translate_n_best,
+)
+
+
+def read_source(stream) -> list[str]:
+    """Lines of a binary stream, split on "\\n" only (as aiayn.fileio.read_lines splits files)."""
+    raw = stream.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = raw.count(b"\n", 0, error.start) + 1
+        raise UserError(f"stdin, line {line_number}: bytes that are not UTF-8; re-encode the input as UTF-8") from None
+    text = text.removeprefix("\ufeff")
+    if text.endswith("\n"):
+        text = text[:-1]
+    if not text:
+        return []
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+def write_translations(results: list[list[tuple[float, str]]], n_best: int, out: TextIO) -> None:
+    for sentence in results:
+        if n_best == 1:
+            out.write(sentence[0][1] + "\n")
+            continue
+        for score, translation in sentence:
+            out.write(f"{score:.4f}\t{translation}\n")
+        out.write("\n")
+
+
+@cli
+def main(argv: Sequence[str] | None = None) -> None:
+    from aiayn.bpe import load_processor
+
+    defaults = SearchConfig()
+    parser = argparse.ArgumentParser(prog="aiayn translate", description=__doc__.splitlines()[0])
+    add_runtime_arguments(parser)
+    parser.add_argument("--beam", type=int, default=defaults.beam_size, help="beam size (paper: 4)")
+    parser.add_argument("--alpha", type=float, default=defaults.length_penalty, help="length penalty (paper: 0.6)")
+    parser.add_argument("--n-best", type=int, default=defaults.n_best, help="hypotheses per sentence")
+    parser.add_argument("--max-len-a", type=float, default=defaults.max_len_a)
+    parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
+    parser.add_argument("--tokens-per-batch", type=int, default=8000)
+    args = parser.parse_args(argv)
+
+    config = SearchConfig(
+        beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+        n_best=args.n_best,
+    )
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} must be at least 1")
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    processor = load_processor(args.spm_model)
+    model = load_model(args.model, device)
+    check_vocabulary(model, processor, args.spm_model)
+    sentences = read_source(sys.stdin.buffer)
+    results = translate_n_best(model, processor, sentences, config, args.tokens_per_batch, device, progress=False)
+    write_translations(results, config.n_best, sys.stdout)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
