@@ -87,7 +87,35 @@ def test_mlflow_holds_one_finished_run_per_preset_with_bleu_and_translations(dem
         assert "translations/test/test.de" in artifacts
 
 
+def test_the_report_tests_every_row_against_the_base_and_draws_the_pictures(demo_run):
+    report = demo_run / "results" / "demo" / "report"
+    table3 = pd.read_csv(report / "table3.csv").set_index("preset")
+    assert pd.isna(table3.loc["demo_base", "bootstrap_p_vs_base"])  # the base row, not tested against itself
+    assert 0.0 <= table3.loc["demo_nopos", "bootstrap_p_vs_base"] <= 1.0
+    for name in ("dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png"):
+        data = (report / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
+
+
+def test_the_report_is_logged_to_the_base_run_in_mlflow(demo_run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{demo_run}/results/mlflow.db")
+    run_id = json.loads((demo_run / "results" / "demo" / "train" / "demo_base" / "seed1" / "final.json").read_text())[
+        "mlflow_run_id"]
+    logged = {artifact.path for artifact in client.list_artifacts(run_id, "report")}
+    assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/attention_anaphora.png"} <= logged
+
+
 def test_a_second_run_has_nothing_to_do(demo_run):
     result = snakemake(demo_run, "-n")
     assert result.returncode == 0
     assert "Nothing to be done" in result.stdout + result.stderr
+
+
+def test_snakemake_builds_an_html_report_with_the_tables_and_pictures(demo_run):
+    result = snakemake(demo_run, "--report", "report.html")
+    assert result.returncode == 0, result.stderr[-3000:]
+    html = (demo_run / "report.html").read_text(encoding="utf-8")
+    for text in ("Tables", "Figures", "Attention", "table3.csv", "dev_ppl.png", "attention_long_distance.png"):
+        assert text in html, text

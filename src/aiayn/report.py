@@ -1,24 +1,42 @@
-"""The report stage: our numbers beside the paper's, as Table 2 (test) and Table 3 (dev).
+"""The report stage: our numbers beside the paper's, as Table 2 (test) and Table 3 (dev), and pictures.
 
 Table 2: newstest2014 BLEU of the averaged model, training cost. Table 3: dev perplexity and
-dev BLEU of the last checkpoint without averaging, parameter count. Several seeds of a
-preset are summarised as mean and standard deviation.
+dev BLEU of the last checkpoint without averaging, parameter count, and a paired bootstrap test
+(sacreBLEU's, Koehn 2004) of each row's dev translations against the base model's. Several seeds
+of a preset are summarised as mean and standard deviation.
+
+Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
+paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
+(aiayn.attention). Tables and pictures are logged as artifacts of the base model's MLflow run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, write_text_atomic
+from aiayn.fileio import atomic_path, read_lines, write_text_atomic
+
+BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
+BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
 
 
 def _read_json(path: Path) -> dict:
     if not path.exists():
         raise UserError(f"{path}: missing; run the stages before the report (snakemake does this for you)")
     return json.loads(path.read_text())
+
+
+def base_preset(presets: dict) -> str:
+    """The row the others are compared with: the preset whose ``paper.row`` is "base", else the first."""
+    if not presets:
+        raise UserError("no presets to report")
+    return next((name for name, preset in presets.items() if (preset.get("paper") or {}).get("row") == "base"),
+                next(iter(presets)))
 
 
 def collect_runs(presets: dict, results: str | Path, seeds: list[int] | None = None):
@@ -46,6 +64,8 @@ def collect_runs(presets: dict, results: str | Path, seeds: list[int] | None = N
                 "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
                 "paper_train_flops": paper.get("train_flops"), "mlflow_run_id": final.get("mlflow_run_id"),
             })
+    if not rows:
+        raise UserError(f"{results}: no training runs of {', '.join(presets)} found; run the stages first")
     return pd.DataFrame(rows)
 
 
@@ -67,22 +87,124 @@ def summarise(runs, columns: list[str], paper_pairs: dict[str, str]):
     return table.loc[order].reset_index()
 
 
-def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds: list[int] | None = None) -> dict:
+def bootstrap_against_base(runs, results: str | Path, base: str, tgt_lang: str = "de",
+                           n_samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED):
+    """Paired bootstrap of every preset's dev translations against the base preset's (detokenized BLEU).
+
+    Each seed's translations are paired with the base's of the same seed, segment by segment, and
+    the seeds are pooled into one test (with one seed this is exactly sacreBLEU's test). Returns one
+    row per preset: the p-value (empty for the base itself) and the bootstrap mean BLEU with its 95%
+    confidence half-width.
+    """
+    import pandas as pd
+
+    from aiayn.score import paired_bootstrap
+
+    results = Path(results)
+    references = read_lines(results / "data" / f"dev.{tgt_lang}")
+
+    def translations(preset: str, run_seed: int) -> list[str]:
+        path = results / "decode" / preset / f"seed{run_seed}" / f"dev.{tgt_lang}"
+        if not path.exists():
+            raise UserError(f"{path}: missing; the paired bootstrap needs every run's dev translations "
+                            "(run the decode stage first, or pass --bootstrap-samples 0 to skip the test)")
+        return read_lines(path)
+
+    base_seeds = set(runs.loc[runs["preset"] == base, "seed"])
+    columns = ["preset", "bootstrap_p_vs_base", "dev_sacrebleu_bootstrap_mean", "dev_sacrebleu_bootstrap_ci95"]
+    rows = []
+    for preset in dict.fromkeys(runs["preset"]):
+        seeds = sorted(set(runs.loc[runs["preset"] == preset, "seed"]) & base_seeds)
+        if not seeds:
+            rows.append({"preset": preset})
+            continue
+        system = [line for run_seed in seeds for line in translations(preset, run_seed)]
+        baseline = [line for run_seed in seeds for line in translations(base, run_seed)]
+        result = paired_bootstrap(baseline, system, references * len(seeds), n_samples=n_samples, seed=seed)
+        rows.append({
+            "preset": preset,
+            "bootstrap_p_vs_base": math.nan if preset == base else result["p_value"],
+            "dev_sacrebleu_bootstrap_mean": result["system_mean"],
+            "dev_sacrebleu_bootstrap_ci95": result["system_ci"],
+        })
+    return pd.DataFrame(rows, columns=columns)
+
+
+def dev_perplexity_curves(runs, results: str | Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """preset -> seed -> [(step, dev perplexity)], from final.json's dev_history, else metrics.jsonl."""
+    results = Path(results)
+    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for preset, run_seed in zip(runs["preset"], runs["seed"]):
+        run_dir = results / "train" / preset / f"seed{run_seed}"
+        history = _read_json(run_dir / "final.json").get("dev_history") or []
+        points = {int(entry["step"]): float(entry["dev_ppl"]) for entry in history if "dev_ppl" in entry}
+        if not points and (run_dir / "metrics.jsonl").exists():
+            # A resumed job appends to metrics.jsonl, so a step can appear twice: the last record wins.
+            for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+                record = json.loads(line) if line.strip() else {}
+                if "dev_ppl" in record:
+                    points[int(record["step"])] = float(record["dev_ppl"])
+        curves.setdefault(preset, {})[int(run_seed)] = sorted(points.items())
+    return curves
+
+
+def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
+    notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
+             f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n")
+    if bootstrap_samples:
+        notes += (f"\n`bootstrap_p_vs_base`: sacreBLEU's paired bootstrap ({bootstrap_samples} resamples, seed "
+                  f"{BOOTSTRAP_SEED}) of detokenized dev BLEU against `{base}`, each seed paired with the base's "
+                  "of the same seed and the seeds pooled; `dev_sacrebleu_bootstrap_mean` and `_ci95` are the "
+                  "bootstrap mean and 95% confidence half-width.\n")
+    return notes
+
+
+def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds: list[int] | None = None, *,
+                 bootstrap_samples: int = BOOTSTRAP_SAMPLES, base: str | None = None, tgt_lang: str = "de",
+                 figures: bool = True) -> dict:
+    """Write table2/table3 (.csv, .md) and, with ``figures``, dev_ppl.png and table3_bleu.png."""
+    if bootstrap_samples < 0:
+        raise UserError(f"--bootstrap-samples {bootstrap_samples}: give a number of resamples, "
+                        "or 0 to skip the test")
+    base = base or base_preset(presets)
+    if base not in presets:
+        raise UserError(f"--base {base}: not one of the reported presets ({', '.join(presets)})")
     runs = collect_runs(presets, results, seeds)
     table2 = summarise(runs, ["test_bleu_tok", "test_sacrebleu", "test_chrf", "steps", "train_hours", "train_flops"],
                        {"test_bleu_tok": "paper_bleu_test", "train_flops": "paper_train_flops"})
     table3 = summarise(runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "params", "steps", "train_hours"],
                        {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"})
+    if bootstrap_samples:
+        bootstrap = bootstrap_against_base(runs, results, base, tgt_lang, bootstrap_samples)
+        table3 = table3.merge(bootstrap, on="preset", how="left")
     out_dir = Path(out_dir)
-    signature = runs["sacrebleu_signature"].iloc[0] if len(runs) else ""
-    notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
-             f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n")
+    signature = runs["sacrebleu_signature"].iloc[0]
+    notes = _notes(signature, base, bootstrap_samples)
+    files = []
     for name, table, title in (("table2", table2, "Table 2: newstest2014 (test), averaged checkpoints"),
                                ("table3", table3, "Table 3: newstest2013 (dev), no averaging")):
         with atomic_path(out_dir / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
-        write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n" + table.to_markdown(index=False, floatfmt=".4g") + notes)
-    return {"table2": table2, "table3": table3, "runs": runs}
+        markdown = table.to_markdown(index=False, floatfmt=".4g")
+        write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}")
+        files += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
+    if figures:
+        from aiayn import plots
+
+        files.append(plots.plot_dev_perplexity(dev_perplexity_curves(runs, results), out_dir / "dev_ppl.png"))
+        std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
+        labels = [preset if row == preset else f"{preset}\n({row})"
+                  for preset, row in zip(table3["preset"], table3["row"])]
+        files.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
+                                            table3["paper_bleu_dev"], out_dir / "table3_bleu.png",
+                                            ylabel="dev BLEU (tokenized, as the paper's)"))
+    return {"table2": table2, "table3": table3, "runs": runs, "base": base, "files": files}
+
+
+def base_run_file(results: str | Path, base: str, runs) -> Path | None:
+    """final.json of the base preset's first reported seed: the MLflow run the report is logged into."""
+    seeds = runs.loc[runs["preset"] == base, "seed"]
+    return Path(results) / "train" / base / f"seed{seeds.iloc[0]}" / "final.json" if len(seeds) else None
 
 
 @cli
@@ -92,11 +214,46 @@ def main(argv=None):
     parser.add_argument("--results", required=True, help="the experiment's results folder")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds to report (default: every seed found)")
+    parser.add_argument("--base", help="preset the others are tested against (default: paper.row base, else the first)")
+    parser.add_argument("--tgt-lang", default="de",
+                        help="target language, the suffix of the dev translations (default: de)")
+    parser.add_argument("--bootstrap-samples", type=int, default=BOOTSTRAP_SAMPLES,
+                        help=f"paired bootstrap resamples (default: {BOOTSTRAP_SAMPLES}; 0 skips the test)")
+    parser.add_argument("--no-figures", action="store_true", help="tables only")
+    parser.add_argument("--attention-model", type=Path,
+                        help="the base model (model.pt or final.pt): draw the appendix's attention heatmaps")
+    parser.add_argument("--spm-model", type=Path, help="the vocabulary of --attention-model")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
     args = parser.parse_args(argv)
-    tables = build_report(json.loads(args.presets_json), args.results, args.out_dir, args.seeds)
-    print(tables["table3"].to_string(index=False))
+    if args.attention_model is not None and args.spm_model is None:
+        raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
+    try:
+        presets = json.loads(args.presets_json)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--presets-json is not valid JSON ({error})") from None
+    report = build_report(presets, args.results, args.out_dir, args.seeds, bootstrap_samples=args.bootstrap_samples,
+                          base=args.base, tgt_lang=args.tgt_lang, figures=not args.no_figures)
+    files = report["files"]
+    if args.attention_model is not None and not args.no_figures:
+        from aiayn.attention import appendix_figures
+
+        drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
+        files += [drawn["long_distance"], drawn["anaphora"]]
+    run_file = base_run_file(args.results, report["base"], report["runs"])
+    if not args.no_tracking and run_file is None:
+        print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)
+    elif not args.no_tracking:
+        from aiayn.tracking import log_to_existing_run
+
+        try:
+            log_to_existing_run(run_file, args.tracking_uri, metrics={}, artifacts=files, artifact_path="report")
+        except Exception as error:  # the tables and pictures are written; a store that went away must not undo them
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            print(f"warning: the report was not logged to MLflow ({reason})", file=sys.stderr)
+    print(report["table3"].to_string(index=False))
     print()
-    print(tables["table2"].to_string(index=False))
+    print(report["table2"].to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -65,4 +65,6 @@ def score_outputs():
 
 
 def report_outputs():
-    return [f"{RESULTS}/report/{table}.{ext}" for table in ("table2", "table3") for ext in ("csv", "md")]
+    tables = [f"{RESULTS}/report/{table}.{ext}" for table in ("table2", "table3") for ext in ("csv", "md")]
+    figures = ["dev_ppl", "table3_bleu", "attention_long_distance", "attention_anaphora"]
+    return tables + [f"{RESULTS}/report/{figure}.png" for figure in figures]

@@ -1,0 +1,184 @@
+"""The report: tables from hand-made result folders, the paired bootstrap column, the pictures, MLflow."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from conftest import make_pairs
+
+from aiayn.report import base_preset, build_report, dev_perplexity_curves, main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SEGMENTS = 40
+
+# Two presets x two seeds: (dev BLEU tok, dev sacreBLEU, test BLEU tok, dev ppl, parameters)
+RESULTS = {
+    ("base", 1): (25.0, 24.0, 27.0, 5.0, 63_000_000),
+    ("base", 2): (26.0, 25.0, 28.0, 4.8, 63_000_000),
+    ("A_heads_1", 1): (23.0, 22.0, 25.0, 5.5, 63_000_000),
+    ("A_heads_1", 2): (24.5, 23.0, 26.0, 5.3, 63_000_000),
+}
+PRESETS = {
+    # A_heads_1 first: the base is found by its paper row, not by its place.
+    "A_heads_1": {"name": "A_heads_1", "paper": {"table": "table3", "row": "A h=1", "ppl_dev": 5.29, "bleu_dev": 24.9}},
+    "base": {"name": "base", "paper": {"table": "table3", "row": "base", "ppl_dev": 4.92, "bleu_dev": 25.8,
+                                       "bleu_test": 27.3, "params": 65e6, "train_flops": 3.3e18}},
+}
+
+
+def degrade(lines: list[str], share: float, seed: int) -> list[str]:
+    """Replace a share of the words by a token that is in no reference: a worse translation."""
+    rng = random.Random(seed)
+    return [" ".join(word if rng.random() > share else "xx" for word in line.split()) for line in lines]
+
+
+def write_run(results, preset, seed, history=True):
+    dev_bleu, dev_sacre, test_bleu, ppl, params = RESULTS[(preset, seed)]
+    run = results / "train" / preset / f"seed{seed}"
+    run.mkdir(parents=True)
+    dev_history = [{"step": step, "dev_loss": math.log(p) + 0.3, "dev_nll": math.log(p), "dev_ppl": p}
+                   for step, p in ((100, 3 * ppl), (200, 1.5 * ppl), (300, ppl))]
+    final = {"preset": preset, "seed": seed, "step": 300, "epochs": 2, "parameters": params, "train_hours": 0.5,
+             "train_flops": 1e15, "dev_loss": math.log(ppl) + 0.3, "dev_nll": math.log(ppl), "dev_ppl": ppl,
+             "dev_history": dev_history if history else [], "mlflow_run_id": None}
+    (run / "final.json").write_text(json.dumps(final))
+    scores = results / "score" / preset / f"seed{seed}"
+    scores.mkdir(parents=True)
+    signature = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"
+    for split, bleu_tok, sacre in (("dev", dev_bleu, dev_sacre), ("test", test_bleu, test_bleu - 1)):
+        (scores / f"{split}.json").write_text(json.dumps(
+            {"bleu_tok": bleu_tok, "sacrebleu": sacre, "chrf": 50.0, "sacrebleu_signature": signature}))
+    return dev_history
+
+
+@pytest.fixture()
+def results(tmp_path):
+    results = tmp_path / "results" / "exp"
+    references = [de for _, de in make_pairs(SEGMENTS, seed=5)]
+    (results / "data").mkdir(parents=True)
+    (results / "data" / "dev.de").write_text("".join(line + "\n" for line in references), encoding="utf-8")
+    for (preset, seed) in RESULTS:
+        write_run(results, preset, seed)
+        # the base translates well, the one-head row much worse: the test must tell them apart
+        hypotheses = degrade(references, 0.05 if preset == "base" else 0.6, seed)
+        decode = results / "decode" / preset / f"seed{seed}"
+        decode.mkdir(parents=True)
+        (decode / "dev.de").write_text("".join(line + "\n" for line in hypotheses), encoding="utf-8")
+    return results
+
+
+def test_tables_have_every_preset_with_mean_std_and_the_difference_to_the_paper(results, tmp_path):
+    report = build_report(PRESETS, results, tmp_path / "report", bootstrap_samples=50, figures=False)
+    table3 = report["table3"].set_index("preset")
+    table2 = report["table2"].set_index("preset")
+    assert list(table3.index) == list(table2.index) == ["A_heads_1", "base"]
+    assert list(table3["seeds"]) == [2, 2]
+    assert table3.loc["base", "dev_bleu_tok"] == pytest.approx(25.5)
+    assert table3.loc["base", "dev_bleu_tok_std"] == pytest.approx(math.sqrt(0.5))  # sample std of 25 and 26
+    assert table3.loc["base", "dev_bleu_tok_diff"] == pytest.approx(25.5 - 25.8)
+    assert table3.loc["A_heads_1", "dev_ppl"] == pytest.approx(5.4)
+    assert table3.loc["A_heads_1", "dev_ppl_diff"] == pytest.approx(5.4 - 5.29)
+    assert table3.loc["base", "params_diff"] == pytest.approx(63e6 - 65e6)
+    assert math.isnan(table3.loc["A_heads_1", "params_diff"])  # the paper gives no count for that row
+    assert table2.loc["base", "test_bleu_tok"] == pytest.approx(27.5)
+    assert table2.loc["base", "test_bleu_tok_diff"] == pytest.approx(27.5 - 27.3)
+    assert table2.loc["base", "train_flops_diff"] == pytest.approx(1e15 - 3.3e18)
+
+    import pandas as pd
+
+    written = pd.read_csv(tmp_path / "report" / "table3.csv")
+    assert list(written.columns) == list(report["table3"].columns)
+    for column in ("row", "seeds", "dev_ppl", "dev_ppl_std", "dev_bleu_tok", "dev_sacrebleu", "params",
+                   "paper_ppl_dev", "paper_bleu_dev", "paper_params", "bootstrap_p_vs_base",
+                   "dev_sacrebleu_bootstrap_mean", "dev_sacrebleu_bootstrap_ci95"):
+        assert column in written, column
+    markdown = (tmp_path / "report" / "table3.md").read_text()
+    assert markdown.startswith("# Table 3") and "paired bootstrap" in markdown and "`base`" in markdown
+
+
+def test_the_bootstrap_tells_a_much_worse_row_from_the_base(results, tmp_path):
+    table3 = build_report(PRESETS, results, tmp_path, bootstrap_samples=200, figures=False)["table3"]
+    table3 = table3.set_index("preset")
+    p_value = table3.loc["A_heads_1", "bootstrap_p_vs_base"]
+    assert 0.0 <= p_value <= 1.0
+    assert p_value < 0.05
+    assert math.isnan(table3.loc["base", "bootstrap_p_vs_base"])  # not tested against itself
+    means = table3["dev_sacrebleu_bootstrap_mean"]
+    assert means["base"] > means["A_heads_1"]
+    assert (table3["dev_sacrebleu_bootstrap_ci95"] > 0).all()
+
+
+def test_a_row_as_good_as_the_base_gets_a_larger_p_value_than_a_worse_one(results, tmp_path):
+    def p_value_vs_base(out):
+        table3 = build_report(PRESETS, results, out, bootstrap_samples=100, figures=False)["table3"]
+        return table3.set_index("preset").loc["A_heads_1", "bootstrap_p_vs_base"]
+
+    worse = p_value_vs_base(tmp_path / "worse")
+    references = (results / "data" / "dev.de").read_text(encoding="utf-8").splitlines()
+    for seed in (1, 2):
+        # the base's error rate, other errors: a difference much more of which resampling explains
+        hypotheses = degrade(references, 0.05, seed + 100)
+        (results / "decode" / "A_heads_1" / f"seed{seed}" / "dev.de").write_text(
+            "".join(line + "\n" for line in hypotheses), encoding="utf-8")
+    # sacreBLEU's test (Moses' bootstrap-hypothesis-difference-significance.pl) compares the centred
+    # resampled differences with the observed one, so even equal systems rarely reach large p-values.
+    assert p_value_vs_base(tmp_path / "as_good") > worse
+
+
+def test_the_base_is_the_paper_base_row_else_the_first_preset():
+    assert base_preset(PRESETS) == "base"
+    assert base_preset({"x": {"paper": {"row": "A h=1"}}, "y": {}}) == "x"
+
+
+def test_the_pictures_are_png_files(results, tmp_path):
+    report = build_report(PRESETS, results, tmp_path / "report", bootstrap_samples=20)
+    for name in ("dev_ppl.png", "table3_bleu.png"):
+        data = (tmp_path / "report" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC), name
+        assert len(data) > 5000, name  # axes, lines and labels, not an empty canvas
+    assert {path.name for path in report["files"]} >= {"dev_ppl.png", "table3_bleu.png", "table3.csv", "table2.md"}
+
+
+def test_dev_curves_come_from_the_history_else_from_metrics_jsonl(tmp_path):
+    results = tmp_path / "results"
+    history = write_run(results, "base", 1)
+    write_run(results, "A_heads_1", 1, history=False)
+    records = [{"step": 50, "train_loss": 3.0}, {"step": 100, "dev_ppl": 9.0}, {"step": 200, "dev_ppl": 7.0}]
+    (results / "train" / "A_heads_1" / "seed1" / "metrics.jsonl").write_text(
+        "".join(json.dumps(record) + "\n" for record in records))
+    import pandas as pd
+
+    runs = pd.DataFrame({"preset": ["base", "A_heads_1"], "seed": [1, 1]})
+    curves = dev_perplexity_curves(runs, results)
+    assert curves["base"][1] == [(entry["step"], entry["dev_ppl"]) for entry in history]
+    assert curves["A_heads_1"][1] == [(100, 9.0), (200, 7.0)]
+
+
+def test_the_command_writes_everything_and_logs_it_to_the_base_run(results, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("exp", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(experiment).info.run_id
+    final = results / "train" / "base" / "seed1" / "final.json"
+    final.write_text(json.dumps({**json.loads(final.read_text()), "mlflow_run_id": run_id}))
+
+    out = tmp_path / "report"
+    status = main(["--presets-json", json.dumps(PRESETS), "--results", str(results), "--out-dir", str(out),
+                   "--seeds", "1", "2", "--bootstrap-samples", "20", "--tracking-uri", uri])
+    assert status == 0
+    logged = {artifact.path for artifact in client.list_artifacts(run_id, "report")}
+    assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/table3_bleu.png"} <= logged
+
+
+def test_missing_dev_translations_are_a_user_error(results, tmp_path, capsys):
+    (results / "decode" / "A_heads_1" / "seed2" / "dev.de").unlink()
+    status = main(["--presets-json", json.dumps(PRESETS), "--results", str(results), "--out-dir", str(tmp_path),
+                   "--no-tracking", "--no-figures"])
+    assert status == 2
+    assert "dev.de: missing" in capsys.readouterr().err
