@@ -40,6 +40,14 @@ def test_parquet_in_the_hub_translation_layout_goes_through_local(tmp_path):
     assert (tmp_path / "out" / "dev.de").read_text(encoding="utf-8").splitlines() == [t for _, t in pairs]
 
 
+def test_parquet_with_one_column_per_language_goes_through_local(tmp_path):
+    pairs = make_pairs(20, seed=4)
+    pq.write_table(pa.table({"en": [s for s, _ in pairs], "de": [t for _, t in pairs]}), tmp_path / "m.parquet")
+    local = {split: {"parquet": str(tmp_path / "m.parquet")} for split in ("train", "dev", "test")}
+    download(data_section(local=local), tmp_path / "out")
+    assert (tmp_path / "out" / "test.de").read_text(encoding="utf-8").splitlines() == [t for _, t in pairs]
+
+
 def test_parquet_without_the_language_names_the_fields(tmp_path):
     pq.write_table(pa.table({"translation": [{"fr": "x", "en": "y"}]}), tmp_path / "t.parquet")
     local = {split: {"parquet": str(tmp_path / "t.parquet")} for split in ("train", "dev", "test")}

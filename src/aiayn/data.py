@@ -69,14 +69,19 @@ def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | Non
 # --- sources -----------------------------------------------------------------------------
 
 def pairs_from_arrow(table, src_lang: str, tgt_lang: str, origin: str) -> tuple[list[str], list[str]]:
-    """Source and target columns of a table in the hub's ``translation`` layout."""
+    """Source and target columns of a table in the hub's ``translation`` layout (WMT), or with one
+    column per language (e.g. Multi30k)."""
     import pyarrow.compute as pc
 
+    if "translation" not in table.column_names and {src_lang, tgt_lang} <= set(table.column_names):
+        src, tgt = table.column(src_lang).to_pylist(), table.column(tgt_lang).to_pylist()
+        _check_complete(src, tgt, src_lang, tgt_lang, origin)
+        return src, tgt
     if "translation" not in table.column_names:
         raise UserError(
             f"{origin}: no `translation` column (columns: {', '.join(table.column_names)}); "
             "expected the Hugging Face translation layout, one struct column `translation` "
-            f"with fields {src_lang!r} and {tgt_lang!r}"
+            f"with fields {src_lang!r} and {tgt_lang!r} (or one column per language)"
         )
     column = table.column("translation")
     fields = [column.type.field(i).name for i in range(column.type.num_fields)]
@@ -88,10 +93,14 @@ def pairs_from_arrow(table, src_lang: str, tgt_lang: str, origin: str) -> tuple[
             )
     src = pc.struct_field(column, src_lang).to_pylist()
     tgt = pc.struct_field(column, tgt_lang).to_pylist()
+    _check_complete(src, tgt, src_lang, tgt_lang, origin)
+    return src, tgt
+
+
+def _check_complete(src: list, tgt: list, src_lang: str, tgt_lang: str, origin: str) -> None:
     missing = [i for i, (s, t) in enumerate(zip(src, tgt)) if s is None or t is None]
     if missing:
         raise UserError(f"{origin}: row {missing[0]} has no {src_lang!r} or {tgt_lang!r} text ({len(missing)} such rows)")
-    return src, tgt
 
 
 def read_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str], list[str]]:
@@ -111,9 +120,9 @@ def read_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
         import pyarrow.parquet as pq
 
         try:
-            table = pa.concat_tables(pq.read_table(f, columns=["translation"]) for f in files)
-        except (pa.ArrowInvalid, KeyError) as error:
-            raise UserError(f"{files[0]}: cannot read as parquet with a `translation` column ({error})") from None
+            table = pa.concat_tables(pq.read_table(f) for f in files)
+        except (pa.ArrowInvalid, OSError) as error:
+            raise UserError(f"{files[0]}: cannot read as parquet ({error})") from None
         src, tgt = pairs_from_arrow(table, src_lang, tgt_lang, ", ".join(files))
         return src, tgt, files
     if "src" not in spec or "tgt" not in spec:
