@@ -63,9 +63,29 @@ def _retry(action: Callable[[], Any], what: str, tries: int = 8) -> Any:
     return None
 
 
-def _ensure_sqlite_folder(uri: str) -> None:
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+def open_client(uri: str):
+    """An MlflowClient whose store is ready, created at most once however many jobs start together.
+
+    A new sqlite store is created by running its schema migrations on first use; two jobs doing
+    that at the same moment fail ("table _alembic_tmp_tags already exists"). A file lock beside
+    the database makes the first use one job at a time.
+    """
+    import fcntl
+
+    from mlflow.tracking import MlflowClient
+
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(uri)
+    database = Path(uri[len("sqlite:///"):])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            client = MlflowClient(uri)
+            _retry(lambda: client.search_experiments(max_results=1), "open store")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return client
 
 
 class Tracker:
@@ -92,16 +112,14 @@ class Tracker:
             return None
         try:
             import mlflow
-            from mlflow.tracking import MlflowClient
         except ImportError:
             print("warning: mlflow is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
             self.enabled = False
             return None
-        _ensure_sqlite_folder(self.uri)
         mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
         id_file = self.run_dir / RUN_ID_FILE
         try:
+            self.client = open_client(self.uri)
             experiment = _retry(lambda: self.client.get_experiment_by_name(self.experiment), "experiment")
             experiment_id = experiment.experiment_id if experiment else _retry(
                 lambda: self.client.create_experiment(self.experiment), "create experiment")
@@ -197,12 +215,10 @@ def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics:
         return None
     try:
         from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
     except ImportError:
         print("warning: mlflow is not installed; metrics not tracked", file=sys.stderr)
         return None
-    uri = resolve_tracking_uri(tracking_uri)
-    client = MlflowClient(uri)
+    client = open_client(resolve_tracking_uri(tracking_uri))
     stamp = int(time.time() * 1000)
     batch = [Metric(k, float(v), stamp, int(info.get("step", 0))) for k, v in metrics.items()]
     param_items = [Param(k, str(v)) for k, v in (params or {}).items()]

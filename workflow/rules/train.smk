@@ -12,7 +12,7 @@ rule train:
         run_dir=run_dir,
         experiment=config["experiment"],
         tracking_uri=config["tracking_uri"],
-    threads: 2
+    threads: config["train"]["threads"] or 2
     log:
         f"{RESULTS}/logs/train/{{model}}/seed{{seed}}.log",
     resources:
