@@ -41,7 +41,7 @@ def write_corpus(folder: Path, pairs: int, seed: int = 1) -> tuple[Path, Path]:
     with open(src_path, "w", encoding="utf-8") as src, open(tgt_path, "w", encoding="utf-8") as tgt:
         for length in lengths:
             src_ids = np.minimum(np_rng.zipf(1.2, length), len(source_words)) - 1
-            tgt_ids = np.minimum(np_rng.zipf(1.2, length + int(np_rng.integers(-2, 3))), len(target_words)) - 1
+            tgt_ids = np.minimum(np_rng.zipf(1.2, max(1, length + int(np_rng.integers(-2, 3)))), len(target_words)) - 1
             src.write(" ".join(source_words[i] for i in src_ids) + " .\n")
             tgt.write(" ".join(target_words[i] for i in tgt_ids) + " .\n")
     return src_path, tgt_path

@@ -12,6 +12,7 @@ Ids carry no bos/eos: the batcher adds them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def _encode_chunk(chunk: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.nd
     for lines in (src_lines, tgt_lines):
         pieces = _processor.encode(lines, out_type=int)
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-        flat = np.fromiter((i for p in pieces for i in p), dtype=np.int32, count=int(lengths.sum()))
+        flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int32, count=int(lengths.sum()))
         out += [flat, lengths]
     return tuple(out)
 
