@@ -23,8 +23,9 @@ def compare_runs(experiment: str, tracking_uri: str | None = None, latest_only: 
     """A pandas table with one row per training run of ``experiment`` (newest first)."""
     import mlflow
 
-    from aiayn.tracking import resolve_tracking_uri
+    from aiayn.tracking import limit_http_retries, resolve_tracking_uri
 
+    limit_http_retries()
     uri = resolve_tracking_uri(tracking_uri)
     mlflow.set_tracking_uri(uri)
     try:

@@ -63,6 +63,32 @@ def _retry(action: Callable[[], Any], what: str, tries: int = 8) -> Any:
     return None
 
 
+# MLflow retries an HTTP request that gets no answer 7 times with backoff factor 2: about four
+# minutes before a wrong tracking_uri is reported, and as long for each flush while a server is
+# away. Bounded (a value set in the environment wins): about 8 s when nothing listens.
+HTTP_REQUEST_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def limit_http_retries() -> None:
+    for name, value in HTTP_REQUEST_LIMITS.items():
+        os.environ.setdefault(name, value)
+
+
+def set_global_tracking_uri(uri: str) -> None:
+    """``mlflow.set_tracking_uri`` without its side effect: MLflow 3 also exports the URI as
+    MLFLOW_TRACKING_URI, which resolve_tracking_uri would then prefer over the configured URI of
+    every later run in this process and in the processes it starts."""
+    import mlflow
+
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    if exported is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = exported
+
+
 def open_client(uri: str):
     """An MlflowClient whose store is ready, created at most once however many jobs start together.
 
@@ -74,6 +100,7 @@ def open_client(uri: str):
 
     from mlflow.tracking import MlflowClient
 
+    limit_http_retries()
     if not uri.startswith("sqlite:///"):
         return MlflowClient(uri)
     database = Path(uri[len("sqlite:///"):])
@@ -86,6 +113,22 @@ def open_client(uri: str):
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return client
+
+
+def experiment_id_for(client, name: str) -> str:
+    """Get or create. Jobs that start together all find no experiment and all create it; the
+    losers get RESOURCE_ALREADY_EXISTS and read the winner's."""
+    from mlflow.exceptions import MlflowException
+
+    found = _retry(lambda: client.get_experiment_by_name(name), "experiment")
+    if found is not None:
+        return found.experiment_id
+    try:
+        return _retry(lambda: client.create_experiment(name), "create experiment")
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return _retry(lambda: client.get_experiment_by_name(name), "experiment").experiment_id
 
 
 class Tracker:
@@ -116,13 +159,11 @@ class Tracker:
             print("warning: mlflow is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
             self.enabled = False
             return None
-        mlflow.set_tracking_uri(self.uri)
+        set_global_tracking_uri(self.uri)  # the system-metrics monitor logs through it
         id_file = self.run_dir / RUN_ID_FILE
         try:
             self.client = open_client(self.uri)
-            experiment = _retry(lambda: self.client.get_experiment_by_name(self.experiment), "experiment")
-            experiment_id = experiment.experiment_id if experiment else _retry(
-                lambda: self.client.create_experiment(self.experiment), "create experiment")
+            experiment_id = experiment_id_for(self.client, self.experiment)
             if id_file.exists():
                 self.run_id = id_file.read_text().strip()
                 _retry(lambda: self.client.update_run(self.run_id, status="RUNNING"), "resume run")
@@ -139,7 +180,7 @@ class Tracker:
             if isinstance(error, UserError):
                 raise
             raise UserError(
-                f"cannot reach the MLflow tracking store at {self.uri} ({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
+                f"cannot use the MLflow tracking store at {self.uri} ({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                 "start it or point tracking_uri (or MLFLOW_TRACKING_URI) at one that answers. Nothing was trained."
             ) from None
         if self.system_metrics:

@@ -21,7 +21,7 @@ rule train:
         mem_mb=64000,
         runtime=lambda w: preset(w)["runtime_minutes"],
     shell:
-        "aiayn train --preset-json {params.preset:q} --train-json {params.train:q} --seed {wildcards.seed} "
+        "exec aiayn train --preset-json {params.preset:q} --train-json {params.train:q} --seed {wildcards.seed} "
         "--train-data {input.train} --dev-data {input.dev} --spm-model {input.spm_model} "
         "--run-dir {params.run_dir} --experiment {params.experiment} --tracking-uri {params.tracking_uri:q} "
         "--threads {threads} > {log} 2>&1"

@@ -1,0 +1,270 @@
+"""The SLURM profile against a real single-node SLURM: jobs go through sbatch, a training job that
+SLURM stops is resumed by Snakemake's retry, and the results equal those of a local run.
+
+The cluster (tests/slurm_cluster.py) is installed with apt-get when missing and we are root, and
+started on localhost; elsewhere these tests skip, except under CI (``CI`` set), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from conftest import REPO
+from slurm_cluster import PARTITION, ClusterUnavailable, LocalCluster
+
+pytestmark = pytest.mark.workflow
+
+# The demo shrunk to one model, so that a run through SLURM takes a minute or two.
+OVERRIDE = """
+data: {demo: {seed: 3, train: 1500, dev: 40, test: 40}}
+bpe: {vocab_size: 400}
+train: {tokens_per_step: 1500, device_tokens: 1500, log_every: 5, dev_every: 10, threads: 1}
+decode: {beam_size: 2, tokens_per_batch: 2000, max_len_b: 10}
+models: [demo_base]
+presets:
+  demo_base: {steps: 20, warmup_steps: 5, checkpoint_steps: 5, d_model: 64, d_ff: 128, n_layers: 1}
+"""
+RULES = ("download", "bpe", "binarize", "train", "average", "decode", "score", "report")
+# The short stages before and after training go as one SLURM job each: every SLURM job costs
+# two Snakemake start-ups and the plugin's status polling (10 s more at each poll that finds
+# nothing finished), which for eleven jobs in a row would be minutes. Training is a job of its own.
+GROUPS = ["--groups", *(f"{rule}=prepare" for rule in ("download", "bpe", "binarize")),
+          *(f"{rule}=evaluate" for rule in ("average", "decode", "score", "report"))]
+RUN = Path("results/demo/train/demo_base/seed1")
+
+
+def copy_workflow(workdir: Path) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("Snakefile", "workflow", "config"):
+        source = REPO / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, workdir / name)
+    (workdir / "override.yaml").write_text(OVERRIDE)
+    return workdir
+
+
+def snakemake_command(*args) -> list[str]:
+    return [sys.executable, "-m", "snakemake", *args]
+
+
+def environment() -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def cluster_profile(workdir: Path, cluster: LocalCluster) -> Path:
+    """workflow/profiles/slurm with what this one small node needs, and nothing else changed."""
+    profile = yaml.safe_load((REPO / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
+    profile["default-resources"]["slurm_partition"] = PARTITION
+    # the rules ask for a GPU node's memory (64 GB to train); this node has less
+    profile["set-resources"] = {rule: {"mem_mb": 500} for rule in RULES}
+    profile["cores"] = cluster.cpus
+    # a job here takes seconds, not hours: the plugin's first look at the queue comes 6 s after
+    # a submission, not 40 (each look that finds nothing finished waits 10 s longer than the last)
+    profile["slurm-init-seconds-before-status-checks"] = 6
+    profile["seconds-between-status-checks"] = 6
+    profile["latency-wait"] = 5
+    folder = workdir / "test-profile"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(yaml.safe_dump(profile))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        cluster = LocalCluster(tmp_path_factory.mktemp("slurm")).start()
+    except ClusterUnavailable as reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the SLURM tests: {reason}")
+        pytest.skip(f"no local SLURM cluster: {reason}")
+    yield cluster
+    cluster.stop()
+
+
+def running_job(comment: str) -> str | None:
+    """The SLURM id of the running job whose comment (the plugin writes rule and wildcards) matches."""
+    queue = subprocess.run(["squeue", "--noheader", "--states=RUNNING", "--format=%i|%k"],
+                           capture_output=True, text=True, timeout=10).stdout
+    for line in queue.splitlines():
+        job_id, _, job_comment = line.partition("|")
+        if job_comment.strip() == comment:
+            return job_id.strip()
+    return None
+
+
+def preempt_training(workdir: Path, slurm: subprocess.Popen, timeout: float = 240) -> str:
+    """SIGTERM to the training job's step, as SLURM sends at a time limit or a preemption,
+    once it has logged progress; returns the SLURM id of the job that was stopped."""
+    metrics = workdir / RUN / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and slurm.poll() is None:
+        if metrics.exists() and metrics.read_text().strip():
+            job_id = running_job("rule_train_wildcards_demo_base_1")
+            if job_id:
+                subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=30)
+                return job_id
+        time.sleep(0.2)
+    raise AssertionError("the training job never logged progress:\n"
+                         + (workdir / "snakemake.out").read_text()[-6000:])
+
+
+def start_snakemake(workdir: Path, *args: str) -> subprocess.Popen:
+    """Snakemake in the background, its output in <workdir>/snakemake.out (a pipe could fill up)."""
+    with open(workdir / "snakemake.out", "w") as output:
+        return subprocess.Popen(snakemake_command(*args), cwd=workdir, env=environment(), stdout=output,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory):
+    """The same DAG run twice at once: locally (the local profile) and through SLURM."""
+    local_dir = copy_workflow(tmp_path_factory.mktemp("local"))
+    slurm_dir = copy_workflow(tmp_path_factory.mktemp("slurm-run"))
+    profile = cluster_profile(slurm_dir, cluster)
+    started = time.monotonic()
+    # the same cores for both: the BPE job takes them all as its threads
+    local = start_snakemake(local_dir, "--profile", "workflow/profiles/local", "--cores", str(cluster.cpus),
+                            "--configfile", "override.yaml")
+    slurm = start_snakemake(slurm_dir, "--profile", str(profile), "--configfile", "override.yaml", *GROUPS)
+    try:
+        preempted = preempt_training(slurm_dir, slurm)
+        slurm.wait(timeout=420)
+        local.wait(timeout=120)
+    finally:
+        for process in (slurm, local):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    print(f"local and SLURM runs took {time.monotonic() - started:.0f} s")
+    local_log = (local_dir / "snakemake.out").read_text()
+    slurm_log = (slurm_dir / "snakemake.out").read_text()
+    assert local.returncode == 0, local_log[-4000:]
+    assert slurm.returncode == 0, slurm_log[-6000:] + "\n" + cluster.log("slurmctld")[-2000:]
+    return {"local": local_dir, "slurm": slurm_dir, "slurm_log": slurm_log, "preempted": preempted,
+            "jobs": cluster.completed_jobs(),
+            "records": {job_id: cluster.job_record(job_id) for job_id, _ in submitted(slurm_log)}}
+
+
+def submitted(log: str) -> list[tuple[str, str]]:
+    """(rule or group, SLURM job id) of every submission the plugin reported."""
+    return re.findall(r"has been submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/(?:rule|group)_([a-z]+)", log)
+
+
+def test_every_job_went_through_sbatch_and_slurm_ran_it(runs):
+    jobs = submitted(runs["slurm_log"])
+    assert sorted({name for _, name in jobs}) == ["evaluate", "prepare", "train"], jobs
+    finished = {job["JobId"]: job for job in runs["jobs"]}
+    for job_id, name in jobs:
+        assert job_id in finished, f"{name} (SLURM job {job_id}) is not in slurmctld's completion log"
+        assert finished[job_id]["WorkDir"] == str(runs["slurm"])
+        if job_id != runs["preempted"]:
+            assert finished[job_id]["JobState"] == "COMPLETED", finished[job_id]
+
+
+def test_slurm_received_the_training_jobs_resources_from_the_profile(runs):
+    """What slurmctld recorded for the training job: the rule's and the profile's resources."""
+    train = next(job_id for job_id, name in submitted(runs["slurm_log"]) if name == "train")
+    record = runs["records"][train]
+    assert record["Comment"] == "rule_train_wildcards_demo_base_1"
+    assert record["Partition"] == PARTITION
+    assert record["TimeLimit"] == "00:30:00"     # runtime: the preset's runtime_minutes
+    assert record["MinMemoryNode"] == "500M"     # mem_mb
+    assert record["NumNodes"] == "1"             # nodes, from the profile's default-resources
+    assert record["NumCPUs"] == "1"              # threads (train.threads in the override)
+    assert record["Requeue"] == "1"              # slurm-requeue
+    assert "gres/gpu" not in record["TRES"]      # the demo presets ask for no GPU
+
+
+def test_a_training_job_stopped_by_slurm_is_retried_and_resumes(runs):
+    trains = [job_id for job_id, name in submitted(runs["slurm_log"]) if name == "train"]
+    assert len(trains) == 2 and trains[0] == runs["preempted"], trains
+    stopped = next(job for job in runs["jobs"] if job["JobId"] == runs["preempted"])
+    assert stopped["JobState"] == "FAILED"  # training stopped, so the job failed, and Snakemake retried it
+    log = (runs["slurm"] / "results/demo/logs/train/demo_base/seed1.log").read_text()
+    assert re.search(r"resuming from \S+step_\d+\.pt \(step \d+\)", log), log[-2000:]
+
+
+def test_slurm_and_local_runs_give_the_same_results(runs):
+    local, slurm = runs["local"] / "results/demo", runs["slurm"] / "results/demo"
+    compared = [path.relative_to(local) for pattern in ("data/*", "bin/*/*.npy", "bin/*/meta.json", "bpe/bpe.json",
+                                                        "bpe/spm.vocab", "decode/*/*/*", "score/*/*/*")
+                for path in sorted(local.glob(pattern))]
+    assert len(compared) > 20
+    for path in compared:
+        assert (slurm / path).read_bytes() == (local / path).read_bytes(), path
+    # training on the CPU with the same thread count is bitwise deterministic, across a resume too
+    weights = [torch.load(root / "train/demo_base/seed1/final.pt", weights_only=True)["model"]
+               for root in (local, slurm)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+    steps = [json.loads((root / "train/demo_base/seed1/final.json").read_text())["step"] for root in (local, slurm)]
+    assert steps == [20, 20]
+    for table, columns in (("table2", ["preset", "test_bleu_tok", "test_sacrebleu"]),
+                           ("table3", ["preset", "dev_ppl", "dev_bleu_tok", "dev_sacrebleu"])):
+        frames = [pd.read_csv(root / "report" / f"{table}.csv")[columns] for root in (local, slurm)]
+        pd.testing.assert_frame_equal(frames[0], frames[1])
+
+
+def test_the_paper_training_job_asks_sbatch_for_the_presets_gpus(cluster, tmp_path):
+    """The real submission of `base` (8 GPUs), inputs stubbed and only `train` allowed to run:
+    this GPU-less node makes sbatch refuse it, and Snakemake's error shows the sbatch call that a
+    GPU cluster would have accepted. Only the partition is added to the profile's defaults."""
+    workdir = copy_workflow(tmp_path)
+    results = workdir / "results" / "wmt14_en_de"
+    for folder in ("bin/train", "bin/dev", "bpe"):
+        (results / folder).mkdir(parents=True)
+    (results / "bpe" / "spm.model").write_bytes(b"")
+    command = snakemake_command("--profile", "workflow/profiles/slurm", "--configfile", "config/wmt14_en_de.yaml",
+                                "--allowed-rules", "train", "--retries", "0", "--cores", str(cluster.cpus),
+                                "--slurm-init-seconds-before-status-checks", "1",
+                                "--seconds-between-status-checks", "1",
+                                "--default-resources", f"slurm_partition={PARTITION}", "mem_mb=4000", "runtime=60",
+                                "nodes=1", "--", "results/wmt14_en_de/train/base/seed1/final.json")
+    result = subprocess.run(command, cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    call = re.search(r"sbatch call:\s*\n\s*(sbatch .*)", output)
+    assert call, output[-4000:]
+    for option in ("--gpus=8", "--cpus-per-gpu=8", "--mem 64000", "-t 1440", "--nodes=1", "-p local"):
+        assert f" {option} " in f" {call.group(1)} ", (option, call.group(1))
+    assert "--cpus-per-task" not in call.group(1)
+    assert "Requested node configuration is not available" in output or "Invalid generic resource" in output
+
+
+def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
+    """`snakemake -n` with the SLURM profile: the plugin prints no sbatch line in a dry run
+    (Snakemake swaps in its dry-run executor), so the resources each job shows are what it asks."""
+    workdir = copy_workflow(tmp_path)
+    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm",
+                                              "--configfile", "config/wmt14_en_de.yaml"),
+                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = {}  # (rule, wildcards) -> the resources the job shows
+    for block in re.split(r"\n(?=rule \w+:)", result.stdout + result.stderr):
+        rule = re.match(r"rule (\w+):", block)
+        wildcards = re.search(r"wildcards: (.*)", block)
+        resources = re.search(r"resources: (.*)", block)
+        if rule and resources:
+            jobs[rule.group(1), wildcards.group(1) if wildcards else ""] = dict(
+                item.split("=", 1) for item in resources.group(1).split(", ") if "=" in item)
+    base, big = jobs["train", "model=base, seed=1"], jobs["train", "model=big, seed=1"]
+    assert (base["gpu"], base["cpus_per_gpu"], base["runtime"], base["mem_mb"]) == ("8", "8", "1440", "64000")
+    assert (big["gpu"], big["runtime"]) == ("8", "5760")
+    assert sum(rule == "train" for rule, _ in jobs) == 20
+    assert all(fields["gpu"] == "1" for (rule, _), fields in jobs.items() if rule == "decode")
+    light = [fields for (rule, _), fields in jobs.items() if rule not in ("train", "decode", "all")]
+    assert len(light) == 1 + 1 + 2 + 20 + 40 + 1  # download, bpe, binarize, average, score, report
+    assert all("gpu" not in fields and fields["nodes"] == "1" for fields in light)
