@@ -134,3 +134,11 @@ def test_a_broken_config_stops_snakemake_before_any_job(tmp_path):
     result = run_snakemake(tmp_path, "-n", "--configfile", "bad.yaml")
     assert result.returncode != 0
     assert "error: bad.yaml: train.precision = 'fp8' is not allowed (allowed values: auto, fp32, bf16)" in result.stderr
+
+
+def test_the_en_fr_config_is_table2s_other_column():
+    config = load_config([DEFAULT, REPO / "config" / "wmt14_en_fr.yaml"])
+    assert config["models"] == ["base", "big"] and config["bpe"]["vocab_size"] == 32000
+    assert (config["data"]["hub"]["name"], config["data"]["tgt_lang"]) == ("fr-en", "fr")
+    big = resolve_preset(config, "big")
+    assert big["dropout"] == 0.1 and big["paper"]["bleu_test"] == 41.8
