@@ -51,6 +51,16 @@ def data_section(**overrides) -> dict:
     return section
 
 
+def tiny_preset(**overrides) -> dict:
+    """A resolved preset small enough to train a few steps in seconds."""
+    preset = {"name": "tiny", "n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_head": None, "d_value": None,
+              "dropout": 0.1, "label_smoothing": 0.1, "positional": "sinusoidal", "max_positions": 128, "steps": 6,
+              "warmup_steps": 4, "lr_scale": 1.0, "average_last": 2, "keep_checkpoints": 3, "checkpoint_minutes": None,
+              "checkpoint_steps": 2, "gpus": 0, "runtime_minutes": 5, "paper": {}}
+    preset.update(overrides)
+    return preset
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """A small corpus taken through download, bpe and binarise (train and dev)."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_preset
 import torch
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint
@@ -16,15 +17,6 @@ from aiayn.train import TrainingDiverged, TrainJob, accumulation_steps, label_sm
 
 TRAIN_SECTION = {"tokens_per_step": 600, "device_tokens": 600, "adam_betas": [0.9, 0.98], "adam_eps": 1e-9,
                  "log_every": 2, "dev_every": 3, "compile": False, "precision": "fp32", "threads": 0}
-
-
-def tiny_preset(**overrides) -> dict:
-    preset = {"name": "tiny", "n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_head": None, "d_value": None,
-              "dropout": 0.1, "label_smoothing": 0.1, "positional": "sinusoidal", "max_positions": 128, "steps": 6,
-              "warmup_steps": 4, "lr_scale": 1.0, "average_last": 2, "keep_checkpoints": 3, "checkpoint_minutes": None,
-              "checkpoint_steps": 2, "gpus": 0, "runtime_minutes": 5, "paper": {}}
-    preset.update(overrides)
-    return preset
 
 
 def job(prepared, run_dir, track=False, tracking_uri=None, **overrides) -> TrainJob:

@@ -1,6 +1,6 @@
 """Checkpoint and model files: their formats, atomic saving, safe loading and listing.
 
-A training checkpoint (``aiayn-checkpoint-v1``, ``<run_dir>/checkpoints/step_XXXXXXXX.pt``)
+A training checkpoint (``aiayn-checkpoint-v1``, ``<run_dir>/checkpoints/step_<8-digit step>.pt``)
 holds the model, optimizer, schedule, data position, RNG states and resolved config; a model
 file (``aiayn-model-v1``: written by averaging and at the end of training) holds only what
 decoding needs. Both contain tensors and plain values alone, so they load with
