@@ -112,6 +112,9 @@ def test_the_mlflow_run_holds_config_fingerprints_and_metrics(prepared, tmp_path
     for metric in ("train_loss", "train_nll", "train_ppl", "lr", "grad_norm", "target_tokens_per_second",
                    "padding_efficiency", "train_flops", "dev_loss", "dev_ppl"):
         assert metric in run.data.metrics, metric
+    assert (run.info.run_name, tags["attempt"]) == ("tiny-seed1-a1", "1")
+    rerun = train(job(prepared, tmp_path / "rerun", track=True, tracking_uri=uri, steps=2))
+    assert MlflowClient(uri).get_run(rerun["mlflow_run_id"]).info.run_name == "tiny-seed1-a2"
     history = MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")
     assert [m.step for m in history] == [2, 4, 6]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

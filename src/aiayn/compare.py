@@ -11,7 +11,8 @@ import argparse
 from aiayn.errors import UserError, cli
 
 COLUMNS = {
-    "tags.preset": "preset", "tags.seed": "seed", "metrics.parameters": "params", "metrics.epoch": "epochs",
+    "tags.preset": "preset", "tags.seed": "seed", "tags.attempt": "attempt",
+    "metrics.parameters": "params", "metrics.epoch": "epochs",
     "metrics.dev_ppl": "dev_ppl", "metrics.dev_bleu_tok": "dev_bleu_tok", "metrics.dev_sacrebleu": "dev_sacrebleu",
     "metrics.test_bleu_tok": "test_bleu_tok", "metrics.test_sacrebleu": "test_sacrebleu",
     "metrics.train_hours": "train_hours", "metrics.train_flops": "train_flops", "status": "status",

@@ -168,7 +168,8 @@ class Tracker:
                 self.run_id = id_file.read_text().strip()
                 _retry(lambda: self.client.update_run(self.run_id, status="RUNNING"), "resume run")
             else:
-                run = _retry(lambda: self.client.create_run(experiment_id, run_name=self.run_name, tags=tags), "run")
+                run_name, tags = self._attempt(experiment_id, tags)
+                run = _retry(lambda: self.client.create_run(experiment_id, run_name=run_name, tags=tags), "run")
                 self.run_id = run.info.run_id
                 id_file.write_text(self.run_id + "\n")
                 from mlflow.entities import Param
@@ -193,6 +194,19 @@ class Tracker:
                 print(f"warning: no system metrics ({error})", file=sys.stderr)
                 self._monitor = None
         return self.run_id
+
+    def _attempt(self, experiment_id: str, tags: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """Reruns of a preset and seed are told apart: ``<preset>-seed<N>-a<attempt>`` and an attempt tag.
+
+        (A resumed job is not a rerun: it continues its run, found through ``mlflow_run_id``.)
+        """
+        if "preset" not in tags or "seed" not in tags:
+            return self.run_name, tags
+        query = f"tags.preset = '{tags['preset']}' and tags.seed = '{tags['seed']}'"
+        earlier = _retry(lambda: self.client.search_runs([experiment_id], filter_string=query, max_results=10000),
+                         "earlier runs")
+        attempt = len(earlier) + 1
+        return f"{self.run_name}-a{attempt}", {**tags, "attempt": str(attempt)}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
