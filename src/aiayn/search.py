@@ -448,6 +448,21 @@ def check_vocabulary(model: Any, processor: Any, spm_model: str) -> None:
         )
 
 
+def load_runtime(args: argparse.Namespace) -> tuple[Any, Any, torch.device]:
+    """Model, SentencePiece processor and device from the arguments of ``add_runtime_arguments``."""
+    from aiayn.bpe import load_processor
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads} must be at least 1")
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    processor = load_processor(args.spm_model)
+    model = load_model(args.model, device)
+    check_vocabulary(model, processor, args.spm_model)
+    return model, processor, device
+
+
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="an averaged model.pt or a training checkpoint")
     parser.add_argument("--spm-model", required=True, help="the run's SentencePiece model (spm.model)")
@@ -457,7 +472,6 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.bpe import load_processor
     from aiayn.config import add_config_arguments, section_from_arguments
     from aiayn.fileio import read_lines, write_lines_atomic
 
@@ -471,15 +485,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     section = dict(section_from_arguments(args, "decode"))
     tokens_per_batch = int(section.pop("tokens_per_batch", 8000))
     config = SearchConfig.from_dict(section)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads} must be at least 1")
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
     sentences = read_lines(args.input)
-    processor = load_processor(args.spm_model)
-    model = load_model(args.model, device)
-    check_vocabulary(model, processor, args.spm_model)
+    model, processor, device = load_runtime(args)
 
     start = time.perf_counter()
     hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device)

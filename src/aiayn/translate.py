@@ -16,17 +16,8 @@ import argparse
 import sys
 from typing import Sequence, TextIO
 
-import torch
-
 from aiayn.errors import UserError, cli
-from aiayn.search import (
-    SearchConfig,
-    add_runtime_arguments,
-    check_vocabulary,
-    load_model,
-    resolve_device,
-    translate_n_best,
-)
+from aiayn.search import SearchConfig, add_runtime_arguments, load_runtime, translate_n_best
 
 
 def read_source(stream) -> list[str]:
@@ -57,8 +48,6 @@ def write_translations(results: list[list[tuple[float, str]]], n_best: int, out:
 
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.bpe import load_processor
-
     defaults = SearchConfig()
     parser = argparse.ArgumentParser(prog="aiayn translate", description=__doc__.splitlines()[0])
     add_runtime_arguments(parser)
@@ -74,14 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
         n_best=args.n_best,
     )
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads} must be at least 1")
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    processor = load_processor(args.spm_model)
-    model = load_model(args.model, device)
-    check_vocabulary(model, processor, args.spm_model)
+    model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
     results = translate_n_best(model, processor, sentences, config, args.tokens_per_batch, device, progress=False)
     write_translations(results, config.n_best, sys.stdout)
