@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiayn.bpe import vocab_fingerprint
+from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, fingerprint_files, read_lines
 
@@ -93,10 +93,8 @@ def binarize_split(
         raise UserError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; they must be parallel")
     if not src:
         raise UserError(f"{src_path}: the {split} split is empty")
-    bpe_info_path = Path(model_path).with_name("bpe.json")
-    vocab_size = json.loads(bpe_info_path.read_text())["vocab_size"] if bpe_info_path.exists() else None
     src_flat, src_len, tgt_flat, tgt_len = encode_pairs(src, tgt, model_path, workers, desc=f"binarise {split}")
-    vocab_size = vocab_size or int(max(src_flat.max(initial=0), tgt_flat.max(initial=0))) + 1
+    vocab_size = load_processor(model_path).get_piece_size()
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     if max_tokens is None:  # evaluation splits: every sentence stays
         empty = too_long = np.zeros(len(src), dtype=bool)

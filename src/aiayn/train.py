@@ -277,9 +277,7 @@ def train(job: TrainJob) -> dict:
     settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
     train_split = load_split(job.train_data)
     dev_split = load_split(job.dev_data) if job.dev_data else None
-    bpe_info = json.loads(Path(job.spm_model).with_name("bpe.json").read_text()) \
-        if Path(job.spm_model).with_name("bpe.json").exists() else {}
-    vocab_size = bpe_info.get("vocab_size") or train_split.meta["vocab_size"]
+    vocab_size = train_split.meta["vocab_size"]  # binarise read it from the vocabulary checked below
     vocab_fingerprint = train_split.meta["vocab_fingerprint"]
     if bpe_fingerprint(job.spm_model) != vocab_fingerprint:
         raise UserError(f"{job.train_data} was binarised with another vocabulary than {job.spm_model}; "
