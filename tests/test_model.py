@@ -272,6 +272,47 @@ def test_reorder_cache_can_grow_the_batch_for_beams():
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
 
 
+
+def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batch():
+    model = tiny_model(d_head=6, d_value=10)
+    src = tokens(2, 5, seed=1)
+    src[1, 3:] = PAD
+    tgt = tokens(4, 6, seed=2)
+    rows = torch.tensor([0, 0, 1, 1])  # two beams per source
+    with torch.no_grad():
+        cache = model.init_cache(*model.encode(src), max_len=6, group=2)
+        assert cache.memory_keys.shape[1] == 2 and cache.rows == 4
+        for position in range(3):
+            model.decode_step(tgt[:, position], position, cache)
+        # Beams move within their sentence: row 0 takes row 1's history, rows 2 and 3 swap.
+        index = torch.tensor([1, 1, 3, 2])
+        cache = model.reorder_cache(cache, index, filled=3)
+        full = model(src[rows], tgt[index])
+        for position in range(3, 5):
+            step = model.decode_step(tgt[index, position], position, cache)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
+        # The first sentence leaves: its memory goes with it, the second keeps its two beams.
+        cache = model.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]), filled=5)
+        assert cache.memory_keys.shape[1] == 1 and cache.rows == 2
+        full = model(src[[1, 1]], tgt[index][[2, 3]])
+        step = model.decode_step(tgt[index][[2, 3], 5], 5, cache)
+        torch.testing.assert_close(step, full[:, 5], rtol=0, atol=1e-10)
+
+
+def test_reorder_cache_copies_only_the_filled_positions_of_rows_that_move():
+    model = tiny_model()
+    with torch.no_grad():
+        cache = model.init_cache(*model.encode(tokens(1, 4, seed=1)), max_len=5, group=3)
+        for buffer in (cache.self_keys, cache.self_values):
+            buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype).view_as(buffer))
+        before = cache.self_keys.clone()
+        model.reorder_cache(cache, torch.tensor([0, 0, 1]), filled=2)
+    assert torch.equal(cache.self_keys[:, 0], before[:, 0])  # stayed
+    assert torch.equal(cache.self_keys[:, 1, :, :2], before[:, 0, :, :2])  # copied from row 0
+    assert torch.equal(cache.self_keys[:, 2, :, :2], before[:, 1, :, :2])  # copied from row 1
+    assert torch.equal(cache.self_keys[:, 1:, :, 2:], before[:, 1:, :, 2:])  # unwritten positions untouched
+
+
 # Learning.
 
 

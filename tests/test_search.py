@@ -26,6 +26,7 @@ from aiayn.search import (
     load_model,
     main,
     max_output_lengths,
+    stable_slots,
     translate_n_best,
     translate_sentences,
 )
@@ -118,14 +119,14 @@ class BigramModel(nn.Module):
     def encode(self, src):
         return src.float()[:, :, None], src.eq(PAD_ID)
 
-    def init_cache(self, memory, src_pad, max_len):
-        return BigramCache(src_pad)
+    def init_cache(self, memory, src_pad, max_len, group=1):
+        return BigramCache(src_pad.repeat_interleave(group, dim=0))
 
     def decode_step(self, tokens, position, cache):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index):
+    def reorder_cache(self, cache, index, sources=None, filled=None):
         cache.src_pad = cache.src_pad.index_select(0, index)
         return cache
 
@@ -182,6 +183,25 @@ def reference_beam_search(model, src_row: list[int], config: SearchConfig) -> li
         if len(finished) >= beam:
             break
     return [(tokens, score) for score, tokens in finished]
+
+
+
+@pytest.mark.parametrize("parents, slots", [
+    ([0, 1, 2, 3], [0, 1, 2, 3]),  # every beam continues in place: nothing to copy
+    ([0, 0, 1, 1], [0, 2, 1, 3]),  # second children take the free slots 2 and 3, in order
+    ([2, 2, 2, 2], [2, 0, 1, 3]),
+    ([3, 1, 3, 0], [3, 1, 2, 0]),
+])
+def test_stable_slots_keep_first_children_in_their_parents_slot(parents, slots):
+    assert stable_slots(torch.tensor([parents])).tolist() == [slots]
+
+
+def test_stable_slots_are_a_permutation_for_every_parent_pattern():
+    patterns = torch.cartesian_prod(*[torch.arange(4)] * 4)  # all 256 parent tuples of beam 4
+    slots = stable_slots(patterns)
+    assert torch.equal(slots.sort(dim=1).values, torch.arange(4).expand(256, 4))
+    first_child = torch.tensor([[p not in row[:j] for j, p in enumerate(row)] for row in patterns.tolist()])
+    assert torch.equal(slots[first_child], patterns[first_child])
 
 
 @pytest.mark.parametrize("early_stopping", [True, False])

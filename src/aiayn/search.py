@@ -115,9 +115,31 @@ def _step_log_probs(logits: Tensor, force_eos: Tensor) -> Tensor:
     log_probs = F.log_softmax(logits.float(), dim=-1)
     log_probs[:, PAD_ID] = -math.inf
     log_probs[:, BOS_ID] = -math.inf
-    not_eos = torch.ones(log_probs.shape[1], dtype=torch.bool, device=log_probs.device)
-    not_eos[EOS_ID] = False
-    return log_probs.masked_fill(force_eos[:, None] & not_eos[None, :], -math.inf)
+    forced = force_eos.nonzero().squeeze(1)
+    if forced.numel():  # only rows at their maximum length: most steps touch no row here
+        eos = log_probs[forced, EOS_ID]
+        log_probs[forced] = -math.inf
+        log_probs[forced, EOS_ID] = eos
+    return log_probs
+
+
+def stable_slots(parents: Tensor) -> Tensor:
+    """(sentences, beam) parent beam of each surviving candidate -> the beam slot each one takes.
+
+    A candidate takes its parent's slot when it is the first (best) child of that parent; the other
+    children take the slots of parents that left no child, in ascending order. The result is a
+    permutation of 0 .. beam - 1 per sentence, and a hypothesis that continues in its own slot needs
+    no copy of its cached keys and values (``Transformer.reorder_cache`` skips rows that stay).
+    """
+    beam = parents.shape[1]
+    slots = torch.arange(beam, device=parents.device)
+    same_parent = parents[:, :, None].eq(parents[:, None, :])  # (sentences, child j, child i)
+    earlier = torch.ones(beam, beam, dtype=torch.bool, device=parents.device).tril(-1)  # i < j
+    first = ~(same_parent & earlier).any(dim=2)
+    claimed = parents[:, :, None].eq(slots).any(dim=1)  # (sentences, slot): some child has this parent
+    free_slots = (claimed.long() * beam + slots).argsort(dim=1)  # unclaimed slots first, ascending
+    rank = (~first).long().cumsum(dim=1) - 1  # the k-th later child takes the k-th free slot
+    return torch.where(first, parents, free_slots.gather(1, rank.clamp(min=0)))
 
 
 @torch.no_grad()
@@ -157,12 +179,15 @@ def greedy_search(
 def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) -> list[list[Hypothesis]]:
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
-    The model needs the Transformer's inference API: encode, init_cache, decode_step, reorder_cache.
+    The model needs the Transformer's inference API: encode, init_cache (with group), decode_step,
+    reorder_cache (with sources and filled).
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
     score divided by the length penalty), and the best beam_size others stay live, so the beam is
-    always full (fairseq's scheme). A sentence's search ends at the first of:
+    always full (fairseq's scheme). The live hypotheses are kept in the slots of their parents where
+    they can (``stable_slots``), so only the cached keys and values of beams that branch are copied. A
+    sentence's search ends at the first of:
 
     - beam_size hypotheses have finished (fairseq's rule; with beam_size 1 this is greedy decoding);
     - early termination, the paper's "terminate early when possible" with tensor2tensor's bound:
@@ -187,9 +212,8 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
     width = longest + 1  # token slots: up to max_len tokens (the EOS is not stored), never zero
 
     memory, src_pad = model.encode(src)
-    cache = model.init_cache(memory, src_pad, longest + 1)
-    # Encoder-decoder keys and values are computed once per sentence above, then copied to its beams.
-    cache = model.reorder_cache(cache, torch.arange(batch, device=device).repeat_interleave(beam))
+    # One group of beam rows per sentence, sharing the sentence's encoder-decoder keys and values.
+    cache = model.init_cache(memory, src_pad, longest + 1, group=beam)
 
     sentence_ids = torch.arange(batch, device=device)  # (active,) the input row of each active sentence
     # All beams start as the same empty hypothesis: only beam 0 may expand at the first step.
@@ -207,7 +231,7 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
         force_eos = max_lens.eq(step).repeat_interleave(beam)
         log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos)  # (active * beam, vocab)
         vocab = log_probs.shape[1]
-        totals = (live_log_probs.reshape(-1, 1) + log_probs).view(active, beam * vocab)
+        totals = log_probs.add_(live_log_probs.reshape(-1, 1)).view(active, beam * vocab)
         top_log_probs, top_index = totals.topk(2 * beam, dim=1)  # (active, 2 * beam), best first
         top_beam = torch.div(top_index, vocab, rounding_mode="floor")
         top_token = top_index % vocab
@@ -229,21 +253,24 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
         # The best beam_size candidates that do not end stay live (there are at least beam_size of them,
         # as each live hypothesis has one EOS among its candidates).
         live_positions = (is_eos.long() * 2 * beam + candidate_rank).argsort(dim=1)[:, :beam]
+        slots = stable_slots(top_beam.gather(1, live_positions))
+        live_positions = live_positions.gather(1, slots.argsort(dim=1))  # slot order, no longer best first
         live_log_probs = top_log_probs.gather(1, live_positions)
         keep_rows = source_rows.gather(1, live_positions)  # (active, beam)
         new_tokens = top_token.gather(1, live_positions)
 
+        best_live = live_log_probs.max(dim=1).values
         done = finished_scores.isfinite().sum(dim=1).ge(beam) | max_lens.le(step)
-        done |= ~live_log_probs[:, 0].isfinite()
+        done |= ~best_live.isfinite()
         if config.early_stopping:
             best_possible_penalty = torch.maximum(
                 length_penalty((max_lens + 1).float(), config.length_penalty),
-                torch.full_like(live_log_probs[:, 0], float(length_penalty(step + 2.0, config.length_penalty))),
+                torch.full_like(best_live, float(length_penalty(step + 2.0, config.length_penalty))),
             )
-            done |= finished_scores[:, config.n_best - 1] >= live_log_probs[:, 0] / best_possible_penalty
+            done |= finished_scores[:, config.n_best - 1] >= best_live / best_possible_penalty
 
-        shrinking = bool(done.any())
-        if shrinking:
+        kept = None
+        if bool(done.any()):
             _collect(results, sentence_ids[done], finished_scores[done], finished_log_probs[done],
                      finished_tokens[done], config.n_best)
             kept = (~done).nonzero().squeeze(1)
@@ -261,37 +288,9 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
         live_tokens = live_tokens[keep_rows]
         live_tokens[:, step] = new_tokens.reshape(-1)
         last_tokens = live_tokens[:, step]
-        cache = _reorder_cache(model, cache, keep_rows, filled=step + 1, batch_changed=shrinking)
+        # Only the positions written so far are copied; kept (not None) says which sentences stay.
+        cache = model.reorder_cache(cache, keep_rows, sources=kept, filled=step + 1)
     return results
-
-
-def _reorder_cache(model: Any, cache: Any, index: Tensor, filled: int, batch_changed: bool) -> Any:
-    """model.reorder_cache, without the copies that beam search does not need.
-
-    Reordering moves rows only among the beams of one sentence, and those beams share their
-    encoder-decoder keys and values, so these are left in place unless sentences leave the batch;
-    of the self-attention buffers only the positions written so far are copied. On the CPU this
-    halves the time of a search step (the full copy of every buffer at every step was half of it).
-    Caches other than the Transformer's DecoderCache go through model.reorder_cache.
-    """
-    from aiayn.model import DecoderCache
-
-    if not isinstance(cache, DecoderCache):
-        return model.reorder_cache(cache, index)
-    if batch_changed:
-        cache.memory_keys = cache.memory_keys.index_select(1, index)
-        cache.memory_values = cache.memory_values.index_select(1, index)
-        cache.src_pad = cache.src_pad.index_select(0, index)
-        for name in ("self_keys", "self_values"):
-            old = getattr(cache, name)
-            new = old.new_zeros(old.shape[0], index.shape[0], *old.shape[2:])
-            new[:, :, :, :filled] = old[:, index, :, :filled]
-            setattr(cache, name, new)
-    else:
-        # Advanced indexing copies before the assignment, so rows that swap read their old values.
-        cache.self_keys[:, :, :, :filled] = cache.self_keys[:, index, :, :filled]
-        cache.self_values[:, :, :, :filled] = cache.self_values[:, index, :, :filled]
-    return cache
 
 
 def _collect(
