@@ -26,12 +26,12 @@ PY
 peer=--no-peer
 python -c "import transformers" 2>/dev/null && peer=""
 echo "== train step, base, 25000 target tokens/step, bf16 (eager, compiled${peer:+; no peer})"
-timeout 150 python bench/train_cpu.py --device cuda --preset base --vocab 37000 --tokens 25000 --steps 8 --warmup 3 \
+timeout 120 python bench/train_cpu.py --device cuda --preset base --vocab 37000 --tokens 25000 --steps 8 --warmup 3 \
   --precision bf16 --compile --project-steps 100000 $peer
 echo "== train step, big, 25000 target tokens/step, bf16 (eager, compiled)"
-timeout 150 python bench/train_cpu.py --device cuda --preset big --vocab 37000 --tokens 25000 --steps 8 --warmup 3 \
+timeout 120 python bench/train_cpu.py --device cuda --preset big --vocab 37000 --tokens 25000 --steps 8 --warmup 3 \
   --precision bf16 --compile --project-steps 300000 --no-peer
 if [ -f bench/decode_gpu.py ]; then
-  echo "== beam search, base, newstest2014 length profile, beam 4, bf16"
-  timeout 90 python bench/decode_gpu.py
+  echo "== beam search, base, 3003 sentences of news-like lengths, beam 4, bf16"
+  timeout 50 python bench/decode_gpu.py
 fi
