@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
+import torch
 from conftest import REPO
 
 OVERRIDE = """
@@ -23,21 +27,33 @@ presets:
 """
 
 
-def snakemake(workdir, *args):
+def snakemake_command(*args):
+    return [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "override.yaml", *args]
+
+
+def snakemake_environment():
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
            "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "override.yaml", *args],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    return env
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("workflow")
+def snakemake(workdir, *args):
+    return subprocess.run(snakemake_command(*args), cwd=workdir, env=snakemake_environment(), capture_output=True,
+                          text=True, timeout=900)
+
+
+def copy_workflow(workdir):
     for name in ("Snakefile", "workflow", "config"):
         source = REPO / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, workdir / name)
     (workdir / "override.yaml").write_text(OVERRIDE)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    workdir = copy_workflow(tmp_path_factory.mktemp("workflow"))
     result = snakemake(workdir)
     if result.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in (workdir / "results").rglob("*.log"))
@@ -119,3 +135,62 @@ def test_snakemake_builds_an_html_report_with_the_tables_and_pictures(demo_run):
     html = (demo_run / "report.html").read_text(encoding="utf-8")
     for text in ("Tables", "Figures", "Attention", "table3.csv", "dev_ppl.png", "attention_long_distance.png"):
         assert text in html, text
+
+
+def training_processes(workdir, run_dir: str) -> list[int]:
+    """Pids of `aiayn train` processes of this workflow folder writing to run_dir (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        words = [word.decode(errors="replace") for word in argv]
+        if "train" in words and "--run-dir" in words and run_dir in words and cwd == str(workdir):
+            if any(word.endswith("aiayn") for word in words):
+                pids.append(int(entry))
+    return pids
+
+
+def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_run(demo_run, tmp_path):
+    """The local profile, a training job killed with SIGKILL (no chance to save: an OOM kill, a lost
+    node) after its first periodic checkpoint; the same command again resumes it and finishes the DAG."""
+    workdir = copy_workflow(tmp_path)
+    run_dir = "results/demo/train/demo_base/seed1"
+    command = snakemake_command("--profile", "workflow/profiles/local", "--retries", "0")
+    with open(tmp_path / "first.out", "w") as out:
+        first = subprocess.Popen(command, cwd=workdir, env=snakemake_environment(), stdout=out,
+                                 stderr=subprocess.STDOUT)
+        killed = False
+        deadline = time.monotonic() + 600
+        while first.poll() is None and time.monotonic() < deadline:
+            if not killed and list((workdir / run_dir / "checkpoints").glob("step_*.pt")):
+                for pid in training_processes(workdir, run_dir):
+                    os.kill(pid, signal.SIGKILL)
+                    killed = True
+            time.sleep(0.02)
+        first.wait(timeout=max(1.0, deadline - time.monotonic()))
+    output = (tmp_path / "first.out").read_text()
+    assert killed, "the training job ended before it could be killed"
+    assert first.returncode != 0, output[-3000:]
+    assert not (workdir / run_dir / "final.pt").exists()
+
+    second = subprocess.run(command, cwd=workdir, env=snakemake_environment(), capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    log = (workdir / "results/demo/logs/train/demo_base/seed1.log").read_text()
+    assert re.search(r"resuming from \S+step_\d+\.pt \(step \d+\)", log), log[-2000:]
+
+    restarted, uninterrupted = workdir / "results" / "demo", demo_run / "results" / "demo"
+    weights = [torch.load(root / "train/demo_base/seed1/final.pt", weights_only=True)["model"]
+               for root in (uninterrupted, restarted)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+    for table, columns in (("table2", ["preset", "test_bleu_tok", "test_sacrebleu"]),
+                           ("table3", ["preset", "params", "dev_ppl", "dev_bleu_tok", "dev_sacrebleu",
+                                       "bootstrap_p_vs_base"])):
+        frames = [pd.read_csv(root / "report" / f"{table}.csv")[columns] for root in (uninterrupted, restarted)]
+        pd.testing.assert_frame_equal(frames[0], frames[1])
