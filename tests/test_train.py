@@ -138,3 +138,27 @@ def test_two_gloo_processes_make_the_same_update_as_one_accumulating_two(prepare
     a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_label_smoothed_loss_gradient_equals_autograd_through_the_formula():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=generator, dtype=torch.float64)
+    target = torch.randint(1, 11, (2, 5), generator=generator)
+    target[1, 3:] = 0  # padding gets no gradient
+
+    def reference(values):
+        log_probs = values.reshape(-1, 11).log_softmax(dim=-1)
+        keep = (target.reshape(-1) != 0).double()
+        nll = -log_probs.gather(1, target.reshape(-1, 1)).squeeze(1)
+        return (((0.9 * nll - 0.1 * log_probs.mean(dim=-1)) * keep).sum(), (nll * keep).sum())
+
+    for weights in ((1.0, 0.0), (0.7, 0.3)):  # the loss alone, and the loss and the NLL together
+        ours = logits.clone().requires_grad_()
+        theirs = logits.clone().requires_grad_()
+        loss, nll = label_smoothed_loss(ours, target, epsilon=0.1)
+        (weights[0] * loss + weights[1] * nll).backward()
+        expected_loss, expected_nll = reference(theirs)
+        (weights[0] * expected_loss + weights[1] * expected_nll).backward()
+        torch.testing.assert_close(loss, expected_loss)
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+        assert torch.all(ours.grad[1, 3:] == 0)

@@ -61,17 +61,43 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, epsilon: flo
     """Summed label-smoothed cross-entropy and summed NLL over non-pad target tokens.
 
     The smoothed target puts 1 - eps on the reference and spreads eps uniformly over the
-    vocabulary (as torch's ``label_smoothing``); one log-softmax serves both sums.
+    vocabulary (as torch's ``label_smoothing``); one log-softmax serves both sums, and the
+    gradient is the closed form of ``_SmoothedCrossEntropy`` (fewer passes over the logits than
+    autograd's gather, mean and log-softmax backward).
     """
-    log_probs = logits.float().log_softmax(dim=-1)  # (tokens, vocab), fp32 even under autocast
-    log_probs = log_probs.view(-1, log_probs.size(-1))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # fp32 even under autocast
+    logits = logits.reshape(-1, logits.size(-1))  # (tokens, vocab)
     target = target.reshape(-1)
-    keep = target != pad_id
-    nll = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
-    smooth = -log_probs.mean(dim=-1)
-    nll_sum = (nll * keep).sum()
-    loss_sum = ((1.0 - epsilon) * nll + epsilon * smooth).mul(keep).sum()
-    return loss_sum, nll_sum
+    keep = (target != pad_id).to(logits.dtype)
+    return _SmoothedCrossEntropy.apply(logits, target, keep, float(epsilon))
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """(tokens, vocab) logits -> (sum of smoothed losses, sum of NLLs) over the tokens where keep is 1.
+
+    Per token, with p = softmax(logits) and y the reference: loss = (1 - eps) * nll + eps * mean_v(-log p_v),
+    so d loss / d logits = p - (1 - eps) * onehot(y) - eps / vocab, and d nll / d logits = p - onehot(y).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, keep, epsilon):
+        log_probs = logits.log_softmax(dim=-1)
+        nll = -log_probs.gather(1, target[:, None]).squeeze(1)
+        smooth = -log_probs.mean(dim=-1)
+        ctx.save_for_backward(log_probs, target, keep)
+        ctx.epsilon = epsilon
+        return ((1.0 - epsilon) * nll + epsilon * smooth).mul(keep).sum(), nll.mul(keep).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        log_probs, target, keep = ctx.saved_tensors
+        epsilon, vocab = ctx.epsilon, log_probs.shape[1]
+        # The saved log-probs are not needed after this, so the gradient is built in their memory.
+        grad = log_probs.exp_().mul_((keep * (grad_loss + grad_nll))[:, None])
+        grad.sub_((keep * (grad_loss * epsilon / vocab))[:, None])
+        grad.scatter_add_(1, target[:, None], (-keep * (grad_loss * (1.0 - epsilon) + grad_nll))[:, None])
+        return grad, None, None, None
 
 
 def forward_flops(config: ModelConfig, rows: int, src_len: int, tgt_len: int) -> float:
