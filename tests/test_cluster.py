@@ -141,8 +141,8 @@ def runs(cluster, tmp_path_factory):
     slurm = start_snakemake(slurm_dir, "--profile", str(profile), "--configfile", "override.yaml", *GROUPS)
     try:
         preempted = preempt_training(slurm_dir, slurm)
-        slurm.wait(timeout=420)
-        local.wait(timeout=120)
+        slurm.wait(timeout=900)  # bounds for a loaded machine, not expectations
+        local.wait(timeout=600)
     finally:
         for process in (slurm, local):
             if process.poll() is None:
