@@ -27,17 +27,10 @@ import time
 
 import torch
 
-from aiayn.model import ModelConfig, Transformer
+from decode_cpu import NeverEndingTransformer  # bench/ is this script's folder; torch-only at import
+
+from aiayn.model import ModelConfig
 from aiayn.search import EOS_ID, PAD_ID, SearchConfig, beam_search, length_sorted_batches
-
-
-class NeverEndingTransformer(Transformer):
-    """Ends only where the search forces EOS, so every output has its planned length."""
-
-    def decode_step(self, tokens, position, cache):
-        logits = super().decode_step(tokens, position, cache)
-        logits[:, EOS_ID] -= 1e4  # exp(-1e4) is 0 even in float32: EOS only where the search forces it
-        return logits
 
 
 def source_lengths(args: argparse.Namespace) -> list[int]:

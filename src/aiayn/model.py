@@ -124,11 +124,19 @@ class MultiHeadAttention(nn.Module):
         keys, values = self.keys_values(source)
         return self.attend(self.queries(x), keys, values, key_mask, causal)
 
-    def _self_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def fused_self_weights(self) -> tuple[Tensor, Tensor]:
+        """The Q, K and V weights and biases stacked for one matrix multiply."""
+        return (torch.cat([self.query.weight, self.key.weight, self.value.weight]),
+                torch.cat([self.query.bias, self.key.bias, self.value.bias]))
+
+    def _self_projections(
+        self, x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K and V of self-attention in one matrix multiply (one GEMM three times as wide is
-        faster than three); the weights stay three Linear layers, so checkpoints are unchanged."""
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        faster than three); the weights stay three Linear layers, so checkpoints are unchanged.
+        The cached decoder passes the stacked weights it made once (`fused_self_weights`)."""
+        if weight is None:
+            weight, bias = self.fused_self_weights()
         key_size = self.n_heads * self.head_dim
         queries, keys, values = F.linear(x, weight, bias).split(
             [key_size, key_size, self.n_heads * self.value_dim], dim=-1)
@@ -269,28 +277,21 @@ class DecoderLayer(nn.Module):
         that source's encoder-decoder keys and values, so their queries attend to them together.
         """
         attention = self.self_attention
-        weight, bias = cache.self_projections[layer]
-        key_size = attention.n_heads * attention.head_dim
-        queries, key, value = F.linear(x, weight, bias).split(
-            [key_size, key_size, attention.n_heads * attention.value_dim], dim=-1)
-        # Q, K and V in one matrix multiply; the cache keeps the dtype init_cache gave it (bf16 under autocast).
-        cache.self_keys[layer, :, :, position : position + 1] = attention._split_heads(key, attention.head_dim)
-        cache.self_values[layer, :, :, position : position + 1] = attention._split_heads(value, attention.value_dim)
+        queries, key, value = attention._self_projections(x, *cache.self_projections[layer])
+        # The cache keeps the dtype init_cache gave it (bf16 under autocast).
+        cache.self_keys[layer, :, :, position : position + 1] = key
+        cache.self_values[layer, :, :, position : position + 1] = value
         keys = cache.self_keys[layer, :, :, : position + 1]  # (rows, heads, position + 1, d_head)
         values = cache.self_values[layer, :, :, : position + 1]
         # One query over the positions so far: no causal mask is needed.
-        queries = attention._split_heads(queries, attention.head_dim).to(keys.dtype)
-        x = self.self_attention_norm(x + self.dropout(attention.attend(queries, keys, values)))
+        x = self.self_attention_norm(x + self.dropout(attention.attend(queries.to(keys.dtype), keys, values)))
 
         attention = self.cross_attention
         memory_keys, memory_values = cache.memory_keys[layer], cache.memory_values[layer]
-        sources, rows = memory_keys.shape[0], x.shape[0]
-        # (rows, 1, d) -> (sources, heads, group, d_head): a source's rows are its queries, so the
-        # encoder-decoder keys and values are read once per source, not copied to every beam.
-        queries = attention.query(x).view(sources, cache.group, attention.n_heads, attention.head_dim).transpose(1, 2)
-        heads = F.scaled_dot_product_attention(queries.to(memory_keys.dtype), memory_keys, memory_values,
-                                               attn_mask=src_mask)  # (sources, heads, group, d_value)
-        attended = attention.output(heads.transpose(1, 2).reshape(rows, 1, attention.n_heads * attention.value_dim))
+        # (rows, 1, d) -> (sources, group, d): a source's rows are its queries, so the encoder-decoder
+        # keys and values are read once per source, not copied to every beam.
+        queries = attention.queries(x.view(memory_keys.shape[0], cache.group, -1)).to(memory_keys.dtype)
+        attended = attention.attend(queries, memory_keys, memory_values, src_mask).view_as(x)
         x = self.cross_attention_norm(x + self.dropout(attended))
         return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
 
@@ -310,8 +311,8 @@ class DecoderCache:
     self_values: Tensor  # (layers, rows, heads, max_len, d_value)
     src_pad: Tensor  # (sources, src_len), True at pad
     group: int = 1  # decoder rows per source
-    # Per decoder layer, the self-attention's Q, K and V weights and biases concatenated once, so that
-    # a step projects its input with one matrix multiply (see MultiHeadAttention._self_projections).
+    # Per decoder layer, the self-attention's Q, K and V weights and biases stacked once, so that a
+    # step projects its input with one matrix multiply (MultiHeadAttention.fused_self_weights).
     self_projections: list[tuple[Tensor, Tensor]] = dataclasses.field(default_factory=list)
 
     @property
@@ -398,13 +399,7 @@ class Transformer(nn.Module):
         memory_keys = torch.stack(keys)  # (layers, sources, heads, src_len, d_head)
         memory_values = torch.stack(values)  # (layers, sources, heads, src_len, d_value)
         layers, sources, heads = memory_keys.shape[:3]
-        projections = []
-        for layer in self.decoder:
-            attention = layer.self_attention
-            projections.append((
-                torch.cat([attention.query.weight, attention.key.weight, attention.value.weight]),
-                torch.cat([attention.query.bias, attention.key.bias, attention.value.bias]),
-            ))
+        projections = [layer.self_attention.fused_self_weights() for layer in self.decoder]
         return DecoderCache(
             memory_keys=memory_keys,
             memory_values=memory_values,
