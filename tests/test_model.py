@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.errors import UserError
-from aiayn.model import ModelConfig, Transformer, sinusoid_table
+from aiayn.model import ModelConfig, Transformer, _few_query_attention, sinusoid_table, step_linear
 from aiayn.params import count_parameters, main as params_main
 
 PAD = 0
@@ -230,8 +230,10 @@ def test_params_cli_reports_a_bad_preset_with_exit_status_2(capsys):
 # Incremental decoding for beam search.
 
 
-def test_decode_step_reproduces_full_decode_logits_at_every_position():
-    model = tiny_model(d_head=6, d_value=10)
+# float32 takes the CPU's fast paths (oneDNN-packed weights, explicit few-query attention).
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_decode_step_reproduces_full_decode_logits_at_every_position(dtype, tolerance):
+    model = tiny_model(d_head=6, d_value=10).to(dtype)
     src = tokens(3, 7, seed=1)
     src[0, 5:] = PAD
     tgt = tokens(3, 6, seed=2)
@@ -240,7 +242,34 @@ def test_decode_step_reproduces_full_decode_logits_at_every_position():
         cache = model.init_cache(*model.encode(src), max_len=10)
         for position in range(6):
             step = model.decode_step(tgt[:, position], position, cache)
-            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, with_bias):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(48, 32), torch.randn(48) if with_bias else None
+    project = step_linear(weight, bias, rows=8, relu=relu)  # prepared for 8 rows, used with others
+    x = torch.randn(rows, 1, 32)
+    expected = F.linear(x, weight, bias)
+    with torch.inference_mode():
+        result = project(x)
+    torch.testing.assert_close(result, expected.relu() if relu else expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("queries", [1, 4])
+def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries):
+    generator = torch.Generator().manual_seed(queries)
+    q, k, v = (torch.randn(3, 2, length, 8, generator=generator) for length in (queries, 9, 9))
+    src_pad = torch.zeros(3, 9, dtype=torch.bool)
+    src_pad[0, 5:] = True
+    src_pad[2, 1:] = True  # one key left
+    mask = ~src_pad[:, None, None, :]
+    for key_mask in (None, mask):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        torch.testing.assert_close(_few_query_attention(q, k, v, key_mask), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_decode_step_after_reorder_cache_matches_the_reordered_batch():

@@ -26,6 +26,7 @@ from aiayn.search import (
     load_model,
     main,
     max_output_lengths,
+    search_batches,
     stable_slots,
     translate_n_best,
     translate_sentences,
@@ -297,6 +298,29 @@ def test_a_sentence_decodes_the_same_alone_and_in_a_batch_with_longer_ones(train
         assert [h.score for h in alone] == pytest.approx([h.score for h in together[row]], abs=1e-4)
 
 
+def test_two_workers_return_what_one_worker_returns_batch_by_batch(half_trained):
+    model = half_trained
+    config = SearchConfig(beam_size=3, n_best=2, max_len_b=8)
+    batches = [sources(lengths, seed=seed) for seed, lengths in enumerate([[5, 9], [12, 3, 7], [4], [8, 8, 2, 6]])]
+    threads = torch.get_num_threads()
+    finished = []
+    one = search_batches(model, batches, config, workers=1)
+    two = search_batches(model, batches, config, workers=2, on_done=finished.append)
+    assert torch.get_num_threads() == threads  # restored after the workers' own setting
+    assert sorted(finished) == sorted(batch.shape[0] for batch in batches)
+    assert [[[h.tokens for h in sentence] for sentence in batch] for batch in two] == \
+        [[[h.tokens for h in sentence] for sentence in batch] for batch in one]
+    assert [h.score for batch in two for sentence in batch for h in sentence] == \
+        pytest.approx([h.score for batch in one for sentence in batch for h in sentence], abs=1e-4)
+    assert search_batches(model, [], config, workers=2) == []
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
+def test_search_batches_rejects_a_bad_worker_count(workers):
+    with pytest.raises(UserError, match="workers"):
+        search_batches(tiny_model(), [sources([3])], SearchConfig(), workers=workers)
+
+
 def test_output_never_exceeds_a_times_source_length_plus_b():
     model = tiny_model(seed=11, cls=NoEosTransformer)
     lengths = [3, 10, 6]
@@ -471,6 +495,21 @@ def test_decode_cli_writes_one_line_per_input_line(tmp_path, spm_model, text_mod
     assert "sentences/s" in capsys.readouterr().out
 
 
+def test_decode_cli_with_two_workers_writes_what_one_worker_writes(tmp_path, spm_model, text_model):
+    save_model_file(tmp_path / "model.pt", text_model)
+    (tmp_path / "src.txt").write_text("\n".join(SENTENCES * 3) + "\n", encoding="utf-8")
+    written = []
+    for workers in (1, 2):
+        section = to_json({"beam_size": 2, "max_len_b": 4, "tokens_per_batch": 30, "workers": workers})
+        output = tmp_path / f"hyp{workers}.txt"
+        assert main(["--decode-json", section, "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
+                     "--input", str(tmp_path / "src.txt"), "--output", str(output), "--threads", "2",
+                     "--device", "cpu"]) == 0
+        written.append(output.read_text(encoding="utf-8"))
+    assert written[0] == written[1]
+    assert len(written[0].split("\n")) == 3 * len(SENTENCES) + 1
+
+
 def test_decode_cli_reports_a_missing_model_file_with_exit_status_2(tmp_path, spm_model, capsys):
     (tmp_path / "src.txt").write_text("the cat\n", encoding="utf-8")
     status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "nope.pt"), "--spm-model", str(spm_model),
@@ -497,10 +536,13 @@ def run_translate(monkeypatch, capsys, text: str, argv: list[str]) -> tuple[int,
     return status, captured.out, captured.err
 
 
-def test_translate_cli_writes_one_translation_per_stdin_line(tmp_path, spm_model, text_model, monkeypatch, capsys):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_translate_cli_writes_one_translation_per_stdin_line(
+    workers, tmp_path, spm_model, text_model, monkeypatch, capsys
+):
     save_model_file(tmp_path / "model.pt", text_model)
     argv = ["--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model), "--beam", "2",
-            "--max-len-b", "4", "--device", "cpu"]
+            "--max-len-b", "4", "--device", "cpu", "--workers", workers, "--tokens-per-batch", "30"]
     status, out, _ = run_translate(monkeypatch, capsys, "\n".join(SENTENCES) + "\n", argv)
     assert status == 0
     expected = translate_sentences(text_model, load_processor(spm_model), SENTENCES,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -130,21 +130,22 @@ class MultiHeadAttention(nn.Module):
                 torch.cat([self.query.bias, self.key.bias, self.value.bias]))
 
     def _self_projections(
-        self, x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+        self, x: Tensor, project: Callable[[Tensor], Tensor] | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K and V of self-attention in one matrix multiply (one GEMM three times as wide is
         faster than three); the weights stay three Linear layers, so checkpoints are unchanged.
-        The cached decoder passes the stacked weights it made once (`fused_self_weights`)."""
-        if weight is None:
-            weight, bias = self.fused_self_weights()
+        The cached decoder passes the projection it made once from the stacked weights (`StepLinears`)."""
+        if project is None:
+            projected = F.linear(x, *self.fused_self_weights())
+        else:
+            projected = project(x)
         key_size = self.n_heads * self.head_dim
-        queries, keys, values = F.linear(x, weight, bias).split(
-            [key_size, key_size, self.n_heads * self.value_dim], dim=-1)
+        queries, keys, values = projected.split([key_size, key_size, self.n_heads * self.value_dim], dim=-1)
         return (self._split_heads(queries, self.head_dim), self._split_heads(keys, self.head_dim),
                 self._split_heads(values, self.value_dim))
 
-    def queries(self, x: Tensor) -> Tensor:
-        return self._split_heads(self.query(x), self.head_dim)  # (batch, heads, tgt_len, d_head)
+    def queries(self, x: Tensor, project: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        return self._split_heads((project or self.query)(x), self.head_dim)  # (batch, heads, tgt_len, d_head)
 
     def keys_values(self, source: Tensor) -> tuple[Tensor, Tensor]:
         keys = self._split_heads(self.key(source), self.head_dim)  # (batch, heads, src_len, d_head)
@@ -152,19 +153,36 @@ class MultiHeadAttention(nn.Module):
         return keys, values
 
     def attend(
-        self, queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False
+        self, queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False,
+        decoding: bool = False, output: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
         # Eq. 1, softmax(Q K^T / sqrt(d_k)) V: SDPA's default scale is 1/sqrt of the query size, d_k.
         # No dropout on the attention weights: the paper drops only sub-layer outputs and embedding
         # sums (Section 5.4); the attention-dropout of some t2t hparams sets is not in the paper.
-        heads = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, is_causal=causal)
+        if decoding and queries.device.type == "cpu":
+            heads = _few_query_attention(queries, keys, values, key_mask)
+        else:
+            heads = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, is_causal=causal)
         batch, _, length, _ = heads.shape  # (batch, heads, tgt_len, d_value)
         concatenated = heads.transpose(1, 2).reshape(batch, length, self.n_heads * self.value_dim)
-        return self.output(concatenated)  # (batch, tgt_len, d_model)
+        return (output or self.output)(concatenated)  # (batch, tgt_len, d_model)
 
     def _split_heads(self, projected: Tensor, size: int) -> Tensor:
         batch, length, _ = projected.shape
         return projected.view(batch, length, self.n_heads, size).transpose(1, 2)
+
+
+def _few_query_attention(queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None) -> Tensor:
+    """Eq. 1 as two matrix multiplies and a softmax, for the cached decoder step on the CPU (no causal mask).
+
+    With one to a few queries a row, SDPA's CPU kernel (flash attention, blocked for long queries) was
+    2 to 3 times slower than this on the encoder-decoder attention of a beam-search step, and slower
+    with 2 threads than with 1 (torch 2.13, bench/decode_cpu.py's sizes); on CUDA SDPA is kept.
+    """
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.shape[-1] ** -0.5)
+    if key_mask is not None:
+        scores.masked_fill_(~key_mask, -math.inf)
+    return torch.matmul(scores.softmax(dim=-1), values)
 
 
 def key_padding_mask(src_pad: Tensor) -> Tensor:
@@ -277,23 +295,77 @@ class DecoderLayer(nn.Module):
         that source's encoder-decoder keys and values, so their queries attend to them together.
         """
         attention = self.self_attention
-        queries, key, value = attention._self_projections(x, *cache.self_projections[layer])
+        linears = cache.linears[layer]
+        queries, key, value = attention._self_projections(x, linears.self_qkv)
         # The cache keeps the dtype init_cache gave it (bf16 under autocast).
         cache.self_keys[layer, :, :, position : position + 1] = key
         cache.self_values[layer, :, :, position : position + 1] = value
         keys = cache.self_keys[layer, :, :, : position + 1]  # (rows, heads, position + 1, d_head)
         values = cache.self_values[layer, :, :, : position + 1]
         # One query over the positions so far: no causal mask is needed.
-        x = self.self_attention_norm(x + self.dropout(attention.attend(queries.to(keys.dtype), keys, values)))
+        attended = attention.attend(queries.to(keys.dtype), keys, values, decoding=True, output=linears.self_output)
+        x = self.self_attention_norm(x + self.dropout(attended))
 
         attention = self.cross_attention
         memory_keys, memory_values = cache.memory_keys[layer], cache.memory_values[layer]
         # (rows, 1, d) -> (sources, group, d): a source's rows are its queries, so the encoder-decoder
         # keys and values are read once per source, not copied to every beam.
-        queries = attention.queries(x.view(memory_keys.shape[0], cache.group, -1)).to(memory_keys.dtype)
-        attended = attention.attend(queries, memory_keys, memory_values, src_mask).view_as(x)
+        queries = attention.queries(x.view(memory_keys.shape[0], cache.group, -1), linears.cross_query)
+        attended = attention.attend(queries.to(memory_keys.dtype), memory_keys, memory_values, src_mask,
+                                    decoding=True, output=linears.cross_output).view_as(x)
         x = self.cross_attention_norm(x + self.dropout(attended))
-        return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+        return self.feed_forward_norm(x + self.dropout(linears.feed_forward_outer(linears.feed_forward_inner(x))))
+
+
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+
+
+def step_linear(weight: Tensor, bias: Tensor | None, rows: int, relu: bool = False) -> Callable[[Tensor], Tensor]:
+    """x -> x W^T + b (then ReLU if relu) for the cached decoder step, which applies it to `rows`-row
+    inputs once per position of a search.
+
+    On the CPU in float32 (where torch has oneDNN) W is reordered once into oneDNN's blocked layout and
+    each step multiplies by it with oneDNN, ReLU fused: F.linear would go through MKL, which repacks W
+    on every call. For the step's shapes (rows = sentences x beams) that was 15 to 20% faster on the
+    AVX2 CPU of BENCHMARKS.md, with the same float32 arithmetic up to summation order. Elsewhere
+    (CUDA, autocast, no oneDNN) it is F.linear.
+    """
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
+            and _onednn_linear_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(rows, 1))
+        attribute, scalars = ("relu", [None]) if relu else ("none", [])
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, attribute, scalars, "")
+    if relu:
+        return lambda x: F.relu(F.linear(x, weight, bias))
+    return lambda x: F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class StepLinears:
+    """A decoder layer's linear maps as the cached step applies them (`step_linear`), made once per search."""
+
+    self_qkv: Callable[[Tensor], Tensor]  # Q, K and V stacked (MultiHeadAttention.fused_self_weights)
+    self_output: Callable[[Tensor], Tensor]
+    cross_query: Callable[[Tensor], Tensor]
+    cross_output: Callable[[Tensor], Tensor]
+    feed_forward_inner: Callable[[Tensor], Tensor]  # with the ReLU of Eq. 2
+    feed_forward_outer: Callable[[Tensor], Tensor]
+
+    @classmethod
+    def of(cls, layer: DecoderLayer, rows: int) -> StepLinears:
+        def linear(module: nn.Linear, relu: bool = False) -> Callable[[Tensor], Tensor]:
+            return step_linear(module.weight, module.bias, rows, relu)
+
+        return cls(
+            self_qkv=step_linear(*layer.self_attention.fused_self_weights(), rows),
+            self_output=linear(layer.self_attention.output),
+            cross_query=linear(layer.cross_attention.query),
+            cross_output=linear(layer.cross_attention.output),
+            feed_forward_inner=linear(layer.feed_forward.inner, relu=True),
+            feed_forward_outer=linear(layer.feed_forward.outer),
+        )
 
 
 @dataclass
@@ -311,9 +383,10 @@ class DecoderCache:
     self_values: Tensor  # (layers, rows, heads, max_len, d_value)
     src_pad: Tensor  # (sources, src_len), True at pad
     group: int = 1  # decoder rows per source
-    # Per decoder layer, the self-attention's Q, K and V weights and biases stacked once, so that a
-    # step projects its input with one matrix multiply (MultiHeadAttention.fused_self_weights).
-    self_projections: list[tuple[Tensor, Tensor]] = dataclasses.field(default_factory=list)
+    # Per decoder layer, its linear maps prepared once for the step (Q, K and V in one matrix multiply).
+    linears: list[StepLinears] = dataclasses.field(default_factory=list)
+    # The pre-softmax layer (the shared embedding, transposed) prepared the same way.
+    project: Callable[[Tensor], Tensor] | None = None
 
     @property
     def max_len(self) -> int:
@@ -399,15 +472,16 @@ class Transformer(nn.Module):
         memory_keys = torch.stack(keys)  # (layers, sources, heads, src_len, d_head)
         memory_values = torch.stack(values)  # (layers, sources, heads, src_len, d_value)
         layers, sources, heads = memory_keys.shape[:3]
-        projections = [layer.self_attention.fused_self_weights() for layer in self.decoder]
+        rows = sources * group
         return DecoderCache(
             memory_keys=memory_keys,
             memory_values=memory_values,
-            self_keys=memory_keys.new_zeros(layers, sources * group, heads, max_len, self.config.head_dim),
-            self_values=memory_values.new_zeros(layers, sources * group, heads, max_len, self.config.value_dim),
+            self_keys=memory_keys.new_zeros(layers, rows, heads, max_len, self.config.head_dim),
+            self_values=memory_values.new_zeros(layers, rows, heads, max_len, self.config.value_dim),
             src_pad=src_pad,
             group=group,
-            self_projections=projections,
+            linears=[StepLinears.of(layer, rows) for layer in self.decoder],
+            project=step_linear(self.embedding.weight, None, rows),
         )
 
     def decode_step(self, tokens: Tensor, position: int, cache: DecoderCache) -> Tensor:
@@ -425,7 +499,7 @@ class Transformer(nn.Module):
         src_mask = key_padding_mask(cache.src_pad)  # (sources, 1, 1, src_len)
         for layer_index, layer in enumerate(self.decoder):
             x = layer.step(x, layer_index, position, cache, src_mask)
-        return self.project(x[:, 0])
+        return (cache.project or self.project)(x[:, 0])
 
     def reorder_cache(
         self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -338,6 +338,71 @@ def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tens
     return batch.to(device)
 
 
+def search_batches(
+    model: Any,
+    batches: Sequence[Tensor],
+    config: SearchConfig = SearchConfig(),
+    workers: int = 1,
+    on_done: Callable[[int], None] | None = None,
+) -> list[list[list[Hypothesis]]]:
+    """beam_search on each padded batch (all on one device), returning each batch's results in order.
+
+    With workers > 1 (CPU only) that many batches are searched at the same time, each in its own
+    thread with torch.get_num_threads() // workers intra-op threads (at least 1), largest batches
+    first; CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
+    the threads run on separate cores. A search step is hundreds of small operators, which one
+    thread runs with less overhead than two sharing each operator: on 2 cores, 2 workers of 1
+    thread each decode about 1.2 times as many tokens per second as 1 worker of 2 threads (BENCHMARKS.md).
+    on_done(sentences) is called as each batch finishes (from the calling thread).
+    Under inference_mode, with bf16 autocast on CUDA.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise UserError(f"workers = {workers!r} must be a whole number of at least 1")
+    if not batches:
+        return []
+    device = batches[0].device
+    if workers > 1 and device.type != "cpu":
+        raise UserError(
+            f"workers = {workers} is for decoding on the CPU; on {device.type} use workers = 1 (one search "
+            "at a time keeps the accelerator busy with larger batches: raise tokens_per_batch instead)"
+        )
+
+    def search(batch: Tensor) -> list[list[Hypothesis]]:
+        # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
+        # inference_mode and autocast are per thread, so each worker enters them itself.
+        autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+        with torch.inference_mode(), autocast:
+            return beam_search(model, batch, config)
+
+    results: list[list[list[Hypothesis]]] = [[] for _ in batches]
+    if workers == 1:
+        for index, batch in enumerate(batches):
+            results[index] = search(batch)
+            if on_done is not None:
+                on_done(batch.shape[0])
+        return results
+
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    threads = torch.get_num_threads()
+    per_worker = max(1, threads // workers)
+
+    def initialise() -> None:
+        torch.set_num_threads(per_worker)  # OpenMP's thread count is per calling thread: set it in each
+
+    largest_first = sorted(range(len(batches)), key=lambda index: -batches[index].numel())
+    try:
+        with ThreadPoolExecutor(max_workers=workers, initializer=initialise, thread_name_prefix="aiayn-search") as pool:
+            futures = {pool.submit(search, batches[index]): index for index in largest_first}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                if on_done is not None:
+                    on_done(batches[futures[future]].shape[0])
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
 def translate_hypotheses(
     model: Any,
     processor: Any,
@@ -346,10 +411,11 @@ def translate_hypotheses(
     tokens_per_batch: int = 8000,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    workers: int = 1,
 ) -> list[list[Hypothesis]]:
     """Beam-search each sentence; the n_best hypotheses per sentence in input order.
 
-    A blank line is not decoded: it gets one empty hypothesis with score 0.
+    A blank line is not decoded: it gets one empty hypothesis with score 0. workers: as in search_batches.
     """
     from tqdm import tqdm
 
@@ -363,16 +429,12 @@ def translate_hypotheses(
     # Source sequences are BPE ids then EOS, no BOS (the binarise stage's convention).
     encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
     batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
-    # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
-    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    with torch.inference_mode(), autocast, tqdm(
-        total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr
-    ) as bar:
-        for batch in batches:
-            hypotheses = beam_search(model, _pad([encoded[i] for i in batch], device), config)
-            for position, sentence_hypotheses in zip(batch, hypotheses):
-                results[to_decode[position]] = sentence_hypotheses
-            bar.update(len(batch))
+    padded = [_pad([encoded[i] for i in batch], device) for batch in batches]
+    with tqdm(total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr) as bar:
+        searched = search_batches(model, padded, config, workers, on_done=bar.update)
+    for batch, hypotheses in zip(batches, searched):
+        for position, sentence_hypotheses in zip(batch, hypotheses):
+            results[to_decode[position]] = sentence_hypotheses
     return results
 
 
@@ -384,9 +446,11 @@ def translate_sentences(
     tokens_per_batch: int = 8000,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    workers: int = 1,
 ) -> list[str]:
     """The best translation of each sentence, detokenised, in input order (a blank line gives "")."""
-    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, progress)
+    hypotheses = translate_hypotheses(
+        model, processor, sentences, config, tokens_per_batch, device, progress, workers)
     return [processor.decode(best[0].tokens) if best[0].tokens else "" for best in hypotheses]
 
 
@@ -398,9 +462,11 @@ def translate_n_best(
     tokens_per_batch: int = 8000,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    workers: int = 1,
 ) -> list[list[tuple[float, str]]]:
     """For each sentence, its config.n_best (score, translation) pairs, best first, in input order."""
-    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, progress)
+    hypotheses = translate_hypotheses(
+        model, processor, sentences, config, tokens_per_batch, device, progress, workers)
     return [
         [(hypothesis.score, processor.decode(hypothesis.tokens) if hypothesis.tokens else "")
          for hypothesis in sentence_hypotheses]
@@ -483,12 +549,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     section = dict(section_from_arguments(args, "decode"))
     tokens_per_batch = int(section.pop("tokens_per_batch", 8000))
+    workers = int(section.pop("workers", 1))
     config = SearchConfig.from_dict(section)
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
 
     start = time.perf_counter()
-    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device)
+    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())
@@ -497,7 +564,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"decoded {len(sentences)} sentences ({target_tokens} target tokens) in {seconds:.1f} s on {device}: "
         f"{len(sentences) / seconds:.1f} sentences/s, {target_tokens / seconds:.0f} target tokens/s "
         f"(beam {config.beam_size}, alpha {config.length_penalty}, max length "
-        f"{config.max_len_a:g} * source + {config.max_len_b}, tokens_per_batch {tokens_per_batch})"
+        f"{config.max_len_a:g} * source + {config.max_len_b}, tokens_per_batch {tokens_per_batch}, workers {workers})"
     )
 
 

@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-len-a", type=float, default=defaults.max_len_a)
     parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
     parser.add_argument("--tokens-per-batch", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="CPU only: batches searched at once, each with threads / workers torch threads")
     args = parser.parse_args(argv)
 
     config = SearchConfig(
@@ -65,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
-    results = translate_n_best(model, processor, sentences, config, args.tokens_per_batch, device, progress=False)
+    results = translate_n_best(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
+                               workers=args.workers)
     write_translations(results, config.n_best, sys.stdout)
     sys.stdout.flush()
 
