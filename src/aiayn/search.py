@@ -390,7 +390,9 @@ def search_batches(
     def initialise() -> None:
         torch.set_num_threads(per_worker)  # OpenMP's thread count is per calling thread: set it in each
 
-    largest_first = sorted(range(len(batches)), key=lambda index: -batches[index].numel())
+    # Most sentences first (each costs a decoder row per beam and step; source length matters less), so
+    # that the last batches to start are small ones and the workers finish close together.
+    largest_first = sorted(range(len(batches)), key=lambda index: (-batches[index].shape[0], -batches[index].numel()))
     try:
         with ThreadPoolExecutor(max_workers=workers, initializer=initialise, thread_name_prefix="aiayn-search") as pool:
             futures = {pool.submit(search, batches[index]): index for index in largest_first}
