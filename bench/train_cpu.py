@@ -130,6 +130,40 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     return result
 
 
+def matmul_rate(config: ModelConfig, tokens: int, device: str, precision: str, repeats: int = 3) -> float:
+    """FLOP/s of this device's matrix multiplies at a step's own shapes: every linear layer's forward
+    product and its two backward products (input and weight gradients), each timed alone, summed.
+
+    3 * forward_flops / this rate is the step time of an implementation that did nothing but those
+    multiplies at this speed: no attention softmax, no layer norm, no optimizer. A peer's step time
+    over it is the highest ratio against that peer these FLOPs allow."""
+    d, ff, width = config.d_model, config.d_ff, config.n_heads * config.head_dim
+    linears = [(d, 3 * width), (width, d), (d, width), (d, ff), (ff, d), (d, config.vocab_size)]
+    total_flops, total_seconds = 0.0, 0.0
+    generator = torch.Generator(device=device).manual_seed(0)
+    for fan_in, fan_out in linears:
+        x = torch.randn(tokens, fan_in, device=device, generator=generator)
+        w = torch.randn(fan_out, fan_in, device=device, generator=generator)
+        g = torch.randn(tokens, fan_out, device=device, generator=generator)
+        products = [lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x]  # forward, input grad, weight grad
+        for product in products:
+            with autocast(device, precision):
+                product()
+            seconds = []
+            for _ in range(repeats):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                with autocast(device, precision):
+                    product()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - start)
+            total_flops += 2.0 * tokens * fan_in * fan_out
+            total_seconds += statistics.median(seconds)
+    return total_flops / total_seconds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="base")
@@ -179,6 +213,14 @@ def main(argv=None) -> int:
             marian = measure(build_marian, config, batches, args.device, precision, args.warmup)
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
+        if peer and args.device == "cpu":
+            timed = batches[args.warmup:]
+            tokens = int(statistics.median(int(src.numel()) for src, _, _ in timed))
+            rate = matmul_rate(config, tokens, args.device, precision)
+            floor = statistics.median(
+                3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)) / rate for src, tgt_in, _ in timed)
+            line += (f"; the matmuls alone at the step's shapes run at {rate / 1e9:.0f} GFLOP/s, a step of nothing "
+                     f"but them would take {floor:.2f} s: at most ratio {marian['step_seconds'] / floor:.2f}")
         if args.project_steps:
             line += f"; {args.project_steps} steps = {args.project_steps * ours['step_seconds'] / 3600:.1f} h"
         print(line, flush=True)
