@@ -176,8 +176,9 @@ def _few_query_attention(queries: Tensor, keys: Tensor, values: Tensor, key_mask
     """Eq. 1 as two matrix multiplies and a softmax, for the cached decoder step on the CPU (no causal mask).
 
     With one to a few queries a row, SDPA's CPU kernel (flash attention, blocked for long queries) was
-    2 to 3 times slower than this on the encoder-decoder attention of a beam-search step, and slower
-    with 2 threads than with 1 (torch 2.13, bench/decode_cpu.py's sizes); on CUDA SDPA is kept.
+    1.3 times slower than this on the encoder-decoder attention of a beam-search step with 1 thread and
+    3.4 times with 2, where it got slower than with 1 (torch 2.13, bench/decode_cpu.py's sizes, 4
+    queries a sentence). Training and CUDA keep SDPA.
     """
     scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.shape[-1] ** -0.5)
     if key_mask is not None:
@@ -328,8 +329,9 @@ def step_linear(weight: Tensor, bias: Tensor | None, rows: int, relu: bool = Fal
 
     On the CPU in float32 (where torch has oneDNN) W is reordered once into oneDNN's blocked layout and
     each step multiplies by it with oneDNN, ReLU fused: F.linear would go through MKL, which repacks W
-    on every call. For the step's shapes (rows = sentences x beams) that was 15 to 20% faster on the
-    AVX2 CPU of BENCHMARKS.md, with the same float32 arithmetic up to summation order. Elsewhere
+    on every call. For one step's linear layers at 248 rows (62 sentences x 4 beams) that was 18%
+    faster with 2 threads on the AVX2 CPU of BENCHMARKS.md (no faster with 1), with the same float32
+    arithmetic up to summation order. Elsewhere
     (CUDA, autocast, no oneDNN) it is F.linear.
     """
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
