@@ -347,9 +347,9 @@ def search_batches(
 ) -> list[list[list[Hypothesis]]]:
     """beam_search on each padded batch (all on one device), returning each batch's results in order.
 
-    With workers > 1 (CPU only) that many batches are searched at the same time, each in its own
-    thread with torch.get_num_threads() // workers intra-op threads (at least 1), largest batches
-    first; CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
+    With workers > 1 on the CPU (elsewhere it is 1) that many batches are searched at the same time,
+    each in its own thread with torch.get_num_threads() // workers intra-op threads (at least 1),
+    largest batches first; CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
     the threads run on separate cores. A search step is hundreds of small operators, which one
     thread runs with less overhead than two sharing each operator: on 2 cores, 2 workers of 1
     thread each decode about 1.2 times as many tokens per second as 1 worker of 2 threads (BENCHMARKS.md).
@@ -361,11 +361,8 @@ def search_batches(
     if not batches:
         return []
     device = batches[0].device
-    if workers > 1 and device.type != "cpu":
-        raise UserError(
-            f"workers = {workers} is for decoding on the CPU; on {device.type} use workers = 1 (one search "
-            "at a time keeps the accelerator busy with larger batches: raise tokens_per_batch instead)"
-        )
+    if device.type != "cpu":
+        workers = 1  # an accelerator runs one search at a time (larger batches keep it busy), so configs can share it
 
     def search(batch: Tensor) -> list[list[Hypothesis]]:
         # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
@@ -558,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     start = time.perf_counter()
     hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
+    workers = workers if device.type == "cpu" else 1  # what search_batches used
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())
