@@ -331,8 +331,7 @@ def step_linear(weight: Tensor, bias: Tensor | None, rows: int, relu: bool = Fal
     each step multiplies by it with oneDNN, ReLU fused: F.linear would go through MKL, which repacks W
     on every call. For one step's linear layers at 248 rows (62 sentences x 4 beams) that was 18%
     faster with 2 threads on the AVX2 CPU of BENCHMARKS.md (no faster with 1), with the same float32
-    arithmetic up to summation order. Elsewhere
-    (CUDA, autocast, no oneDNN) it is F.linear.
+    arithmetic up to summation order. Elsewhere (CUDA, autocast, no oneDNN) it is F.linear.
     """
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
             and _onednn_linear_available():
@@ -384,11 +383,11 @@ class DecoderCache:
     self_keys: Tensor  # (layers, rows, heads, max_len, d_head), filled one position per step
     self_values: Tensor  # (layers, rows, heads, max_len, d_value)
     src_pad: Tensor  # (sources, src_len), True at pad
-    group: int = 1  # decoder rows per source
     # Per decoder layer, its linear maps prepared once for the step (Q, K and V in one matrix multiply).
-    linears: list[StepLinears] = dataclasses.field(default_factory=list)
+    linears: list[StepLinears]
     # The pre-softmax layer (the shared embedding, transposed) prepared the same way.
-    project: Callable[[Tensor], Tensor] | None = None
+    project: Callable[[Tensor], Tensor]
+    group: int = 1  # decoder rows per source
 
     @property
     def max_len(self) -> int:
@@ -503,7 +502,7 @@ class Transformer(nn.Module):
         src_mask = key_padding_mask(cache.src_pad)  # (sources, 1, 1, src_len)
         for layer_index, layer in enumerate(self.decoder):
             x = layer.step(x, layer_index, position, cache, src_mask)
-        return (cache.project or self.project)(x[:, 0])
+        return cache.project(x[:, 0])
 
     def reorder_cache(
         self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None

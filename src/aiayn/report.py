@@ -181,9 +181,10 @@ def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds:
     signature = runs["sacrebleu_signature"].iloc[0]
     notes = _notes(signature, base, bootstrap_samples)
     files = []
-    titles = {"table2": "Table 2: the test split (newstest2014 in the paper), averaged checkpoints",
-              "table3": "Table 3: the dev split (newstest2013 in the paper), no averaging"}
-    for name, table, title in (("table2", table2, titles["table2"]), ("table3", table3, titles["table3"])):
+    for name, table, title in (
+        ("table2", table2, "Table 2: the test split (newstest2014 in the paper), averaged checkpoints"),
+        ("table3", table3, "Table 3: the dev split (newstest2013 in the paper), no averaging"),
+    ):
         with atomic_path(out_dir / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
         markdown = table.to_markdown(index=False, floatfmt=".4g")

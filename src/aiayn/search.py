@@ -338,6 +338,12 @@ def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tens
     return batch.to(device)
 
 
+def search_workers(workers: int, device: torch.device) -> int:
+    """The workers search_batches uses: as asked on the CPU; 1 on an accelerator, which runs one search
+    at a time (larger batches keep it busy), so that CPU configs also run there."""
+    return workers if device.type == "cpu" else 1
+
+
 def search_batches(
     model: Any,
     batches: Sequence[Tensor],
@@ -361,8 +367,7 @@ def search_batches(
     if not batches:
         return []
     device = batches[0].device
-    if device.type != "cpu":
-        workers = 1  # an accelerator runs one search at a time (larger batches keep it busy), so configs can share it
+    workers = search_workers(workers, device)
 
     def search(batch: Tensor) -> list[list[Hypothesis]]:
         # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
@@ -555,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     start = time.perf_counter()
     hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
-    workers = workers if device.type == "cpu" else 1  # what search_batches used
+    workers = search_workers(workers, device)
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())
