@@ -328,6 +328,25 @@ def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batc
         torch.testing.assert_close(step, full[:, 5], rtol=0, atol=1e-10)
 
 
+def test_reorder_cache_regroups_one_row_per_source_into_beams():
+    model = tiny_model(d_head=6, d_value=10)
+    src = tokens(2, 5, seed=1)
+    src[1, 3:] = PAD
+    tgt = tokens(4, 6, seed=2)
+    tgt[1, 0], tgt[3, 0] = tgt[0, 0], tgt[2, 0]  # beams of a source share their first token
+    with torch.no_grad():
+        cache = model.init_cache(*model.encode(src), max_len=6)  # one row per source
+        model.decode_step(tgt[[0, 2], 0], 0, cache)
+        cache = model.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), filled=1, group=2)
+        assert cache.group == 2 and cache.rows == 4 and cache.memory_keys.shape[1] == 2
+        full = model(src[[0, 0, 1, 1]], tgt)
+        for position in range(1, 6):
+            step = model.decode_step(tgt[:, position], position, cache)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
+        with pytest.raises(ValueError, match="3 rows for 2 sources of 2 rows each"):
+            model.reorder_cache(model.init_cache(*model.encode(src), max_len=6), torch.tensor([0, 0, 1]), group=2)
+
+
 def test_reorder_cache_copies_only_the_filled_positions_of_rows_that_move():
     model = tiny_model()
     with torch.no_grad():

@@ -127,7 +127,7 @@ class BigramModel(nn.Module):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index, sources=None, filled=None):
+    def reorder_cache(self, cache, index, sources=None, filled=None, group=None):
         cache.src_pad = cache.src_pad.index_select(0, index)
         return cache
 
@@ -377,7 +377,8 @@ def test_finished_sentences_leave_the_batch():
 
     model = tiny_model(seed=17, cls=RowCounting)
     beam_search(model, sources([3, 3, 3, 30], seed=18), SearchConfig(beam_size=2, max_len_b=0, max_len_a=1.0))
-    assert rows[0] == 8  # 4 sentences x 2 beams
+    assert rows[0] == 4  # the first step: one row per sentence (all beams are the same empty hypothesis)
+    assert rows[1] == 8  # then 4 sentences x 2 beams
     assert rows[-1] == 2  # only the long sentence's beams are left at the end
     assert len(rows) == 31  # 30 tokens and the forced EOS
 

@@ -505,18 +505,27 @@ class Transformer(nn.Module):
         return cache.project(x[:, 0])
 
     def reorder_cache(
-        self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None
+        self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None,
+        group: int | None = None,
     ) -> DecoderCache:
         """Keep decoder rows `index` (beam search: the hypotheses that survive), in that order.
 
         With group = 1 the sources follow their rows (`index` may repeat rows, to grow a batch into
         beams). With group > 1 rows move among the rows of their source unless `sources` says which
         sources are kept (new source j is old source sources[j]; row i of the new cache must then
-        belong to new source i // group). Only positions below `filled` (default: all) are copied, and
-        rows that stay where they are are not copied at all. Updates `cache` in place and returns it.
+        belong to new source i // group). A `group` other than the cache's regroups it: the sources
+        stay (or are `sources`), and the new rows, `group` per source, are the old rows `index`;
+        beam search decodes its first step with one row per sentence and then grows it into beams.
+        Only positions below `filled` (default: all) are copied, and rows that stay where they are
+        are not copied at all. Updates `cache` in place and returns it.
         """
         filled = cache.max_len if filled is None else filled
-        if cache.group == 1:
+        if group is not None and group != cache.group:
+            kept = cache.memory_keys.shape[1] if sources is None else sources.shape[0]
+            if index.shape[0] != kept * group:
+                raise ValueError(f"{index.shape[0]} rows for {kept} sources of {group} rows each")
+            cache.group = group
+        elif cache.group == 1:
             sources = index
         if sources is not None:
             cache.memory_keys = cache.memory_keys.index_select(1, sources)

@@ -180,7 +180,7 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
     The model needs the Transformer's inference API: encode, init_cache (with group), decode_step,
-    reorder_cache (with sources and filled).
+    reorder_cache (with sources, filled and group).
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
@@ -212,26 +212,28 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
     width = longest + 1  # token slots: up to max_len tokens (the EOS is not stored), never zero
 
     memory, src_pad = model.encode(src)
-    # One group of beam rows per sentence, sharing the sentence's encoder-decoder keys and values.
-    cache = model.init_cache(memory, src_pad, longest + 1, group=beam)
+    # All beams start as the same empty hypothesis, so the first step decodes one row per sentence;
+    # the cache then grows into one group of beam rows per sentence, which share the sentence's
+    # encoder-decoder keys and values.
+    cache = model.init_cache(memory, src_pad, longest + 1)
 
     sentence_ids = torch.arange(batch, device=device)  # (active,) the input row of each active sentence
-    # All beams start as the same empty hypothesis: only beam 0 may expand at the first step.
-    live_log_probs = torch.full((batch, beam), -math.inf, device=device)
-    live_log_probs[:, 0] = 0.0
+    live_log_probs = torch.zeros((batch, 1), device=device)  # (active, rows per sentence this step)
     live_tokens = torch.full((batch * beam, width), PAD_ID, dtype=torch.long, device=device)
-    last_tokens = torch.full((batch * beam,), BOS_ID, dtype=torch.long, device=device)
+    last_tokens = torch.full((batch,), BOS_ID, dtype=torch.long, device=device)
     finished_scores = torch.full((batch, beam), -math.inf, device=device)  # sorted, best first
     finished_log_probs = torch.full((batch, beam), -math.inf, device=device)
     finished_tokens = torch.full((batch, beam, width), PAD_ID, dtype=torch.long, device=device)
     candidate_rank = torch.arange(2 * beam, device=device)
 
     for step in range(longest + 1):
-        active = sentence_ids.shape[0]
-        force_eos = max_lens.eq(step).repeat_interleave(beam)
-        log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos)  # (active * beam, vocab)
+        active, rows = live_log_probs.shape  # rows: 1 at the first step, then beam
+        force_eos = max_lens.eq(step).repeat_interleave(rows)
+        log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos)  # (active * rows, vocab)
         vocab = log_probs.shape[1]
-        totals = log_probs.add_(live_log_probs.reshape(-1, 1)).view(active, beam * vocab)
+        totals = log_probs.add_(live_log_probs.reshape(-1, 1)).view(active, rows * vocab)
+        if totals.shape[1] < 2 * beam:  # a first step over a vocabulary smaller than the candidates kept
+            totals = F.pad(totals, (0, 2 * beam - totals.shape[1]), value=-math.inf)
         top_log_probs, top_index = totals.topk(2 * beam, dim=1)  # (active, 2 * beam), best first
         top_beam = torch.div(top_index, vocab, rounding_mode="floor")
         top_token = top_index % vocab
@@ -289,7 +291,9 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
         live_tokens[:, step] = new_tokens.reshape(-1)
         last_tokens = live_tokens[:, step]
         # Only the positions written so far are copied; kept (not None) says which sentences stay.
-        cache = model.reorder_cache(cache, keep_rows, sources=kept, filled=step + 1)
+        # After the first step (one row per sentence) the rows are the parents' sentences, grown into beams.
+        cache = model.reorder_cache(cache, keep_rows // beam if step == 0 else keep_rows, sources=kept,
+                                    filled=step + 1, group=beam)
     return results
 
 
