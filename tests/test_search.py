@@ -28,6 +28,7 @@ from aiayn.search import (
     max_output_lengths,
     search_batches,
     stable_slots,
+    top_k,
     translate_n_best,
     translate_sentences,
 )
@@ -571,3 +572,20 @@ def test_translate_cli_reports_n_best_above_beam_with_exit_status_2(tmp_path, sp
     status, _, err = run_translate(monkeypatch, capsys, "the cat\n", argv)
     assert status == 2
     assert "n_best = 3 is more than beam_size = 2" in err
+
+
+@pytest.mark.parametrize("n", [32 * 40, 32 * 40 + 7, 50])  # whole blocks, a tail past the last block, too few blocks
+def test_top_k_by_block_maxima_gives_topk_values_and_the_positions_of_those_values(n):
+    generator = torch.Generator().manual_seed(n)
+    scores = torch.randn(6, n, generator=generator)
+    scores[1, 5] = 100.0  # one block holds all of row 1's best: its other blocks must still be searched
+    scores[1, 6:12] = torch.arange(99.0, 93.0, -1)
+    scores[2] = -math.inf  # a row that is -inf but for two scores (a forced end), one of them in the tail
+    scores[2, 3], scores[2, n - 1] = -1.0, -2.0
+    scores[3, ::3] = 0.5  # ties
+    values, indices = top_k(scores, 8)
+    expected = scores.topk(8, dim=1).values
+    assert torch.equal(values, expected)
+    assert torch.equal(scores.gather(1, indices), values)  # each index holds its value
+    assert all(len(set(row)) == 8 for row in indices.tolist())  # no position twice
+
