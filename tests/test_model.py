@@ -260,10 +260,11 @@ def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, 
 
 
 @pytest.mark.parametrize("queries", [1, 4])
-def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries):
+@pytest.mark.parametrize("keys", [9, 60])  # 1 query over 9 keys of size 8 takes the products-and-sums path
+def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries, keys):
     generator = torch.Generator().manual_seed(queries)
-    q, k, v = (torch.randn(3, 2, length, 8, generator=generator) for length in (queries, 9, 9))
-    src_pad = torch.zeros(3, 9, dtype=torch.bool)
+    q, k, v = (torch.randn(3, 2, length, 8, generator=generator) for length in (queries, keys, keys))
+    src_pad = torch.zeros(3, keys, dtype=torch.bool)
     src_pad[0, 5:] = True
     src_pad[2, 1:] = True  # one key left
     mask = ~src_pad[:, None, None, :]
@@ -321,8 +322,10 @@ def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batc
             step = model.decode_step(tgt[index, position], position, cache)
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
         # The first sentence leaves: its memory goes with it, the second keeps its two beams.
+        buffer = cache.key_buffer.data_ptr()
         cache = model.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]), filled=5)
         assert cache.memory_keys.shape[1] == 1 and cache.rows == 2
+        assert cache.key_buffer.data_ptr() == buffer  # shrunk in place
         full = model(src[[1, 1]], tgt[index][[2, 3]])
         step = model.decode_step(tgt[index][[2, 3], 5], 5, cache)
         torch.testing.assert_close(step, full[:, 5], rtol=0, atol=1e-10)
@@ -335,10 +338,12 @@ def test_reorder_cache_regroups_one_row_per_source_into_beams():
     tgt = tokens(4, 6, seed=2)
     tgt[1, 0], tgt[3, 0] = tgt[0, 0], tgt[2, 0]  # beams of a source share their first token
     with torch.no_grad():
-        cache = model.init_cache(*model.encode(src), max_len=6)  # one row per source
+        cache = model.init_cache(*model.encode(src), max_len=6, capacity=4)  # one row per source
+        buffer = cache.key_buffer.data_ptr()
         model.decode_step(tgt[[0, 2], 0], 0, cache)
         cache = model.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), filled=1, group=2)
         assert cache.group == 2 and cache.rows == 4 and cache.memory_keys.shape[1] == 2
+        assert cache.key_buffer.data_ptr() == buffer  # grown within its capacity, in place
         full = model(src[[0, 0, 1, 1]], tgt)
         for position in range(1, 6):
             step = model.decode_step(tgt[:, position], position, cache)

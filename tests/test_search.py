@@ -121,7 +121,7 @@ class BigramModel(nn.Module):
     def encode(self, src):
         return src.float()[:, :, None], src.eq(PAD_ID)
 
-    def init_cache(self, memory, src_pad, max_len, group=1):
+    def init_cache(self, memory, src_pad, max_len, group=1, capacity=0):
         return BigramCache(src_pad.repeat_interleave(group, dim=0))
 
     def decode_step(self, tokens, position, cache):

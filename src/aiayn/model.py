@@ -180,6 +180,13 @@ def _few_query_attention(queries: Tensor, keys: Tensor, values: Tensor, key_mask
     3.4 times with 2, where it got slower than with 1 (torch 2.13, bench/decode_cpu.py's sizes, 4
     queries a sentence). Training and CUDA keep SDPA.
     """
+    if queries.shape[-2] == 1 and keys.shape[-2] * keys.shape[-1] < 400:
+        # One query over a few keys (a decoder's first positions): torch multiplies matrices this small
+        # with a plain loop, and products and sums were 1.3 to 2 times faster over 6 layers (1 to 6 keys).
+        scores = (keys * queries).sum(dim=-1, keepdim=True).mul_(queries.shape[-1] ** -0.5)  # (..., keys, 1)
+        if key_mask is not None:
+            scores.masked_fill_(~key_mask.transpose(-1, -2), -math.inf)
+        return (scores.softmax(dim=-2) * values).sum(dim=-2, keepdim=True)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.shape[-1] ** -0.5)
     if key_mask is not None:
         scores.masked_fill_(~key_mask, -math.inf)
@@ -380,8 +387,13 @@ class DecoderCache:
 
     memory_keys: Tensor  # (layers, sources, heads, src_len, d_head), encoder-decoder keys, computed once
     memory_values: Tensor  # (layers, sources, heads, src_len, d_value)
-    self_keys: Tensor  # (layers, rows, heads, max_len, d_head), filled one position per step
-    self_values: Tensor  # (layers, rows, heads, max_len, d_value)
+    # The self-attention buffers, (layers, capacity, heads, max_len, d_head / d_value): rows are kept
+    # in place in the first `rows` of them, so a batch that shrinks (sentences that end) or grows up
+    # to its capacity (one row per sentence into beams) moves rows without allocating.
+    key_buffer: Tensor
+    value_buffer: Tensor
+    self_keys: Tensor  # key_buffer[:, :rows], filled one position per step
+    self_values: Tensor  # value_buffer[:, :rows]
     src_pad: Tensor  # (sources, src_len), True at pad
     # Per decoder layer, its linear maps prepared once for the step (Q, K and V in one matrix multiply).
     linears: list[StepLinears]
@@ -459,13 +471,16 @@ class Transformer(nn.Module):
         """(..., d_model) -> logits (..., vocab): the pre-softmax layer is the shared embedding, no bias."""
         return F.linear(hidden, self.embedding.weight)
 
-    def init_cache(self, memory: Tensor, src_pad: Tensor, max_len: int, group: int = 1) -> DecoderCache:
+    def init_cache(
+        self, memory: Tensor, src_pad: Tensor, max_len: int, group: int = 1, capacity: int = 0
+    ) -> DecoderCache:
         """Start incremental decoding of at most max_len target positions, with `group` decoder rows per
         source sentence (beam search: the beam size; the rows of source i are i * group .. i * group + group - 1).
 
         The encoder-decoder keys and values are computed once here, once per source; the self-attention
-        buffers are allocated once and written in place by `decode_step`, so a step costs no concatenation.
-        Call it and `decode_step` under the same autocast setting: the cache keeps the dtype of this call.
+        buffers are allocated once, for max(capacity, rows) rows, and written in place by `decode_step`,
+        so a step costs no concatenation. Call it and `decode_step` under the same autocast setting: the
+        cache keeps the dtype of this call.
         """
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise ValueError(f"group = {group!r} must be a whole number of at least 1")
@@ -474,13 +489,17 @@ class Transformer(nn.Module):
         memory_values = torch.stack(values)  # (layers, sources, heads, src_len, d_value)
         layers, sources, heads = memory_keys.shape[:3]
         rows = sources * group
+        # Not zeroed: a step reads only the positions written before it (1.7% of a CPU search was
+        # zeroing 2 x 47 MB per batch at bench/decode_cpu.py's sizes).
+        key_buffer = memory_keys.new_empty(layers, max(rows, capacity), heads, max_len, self.config.head_dim)
+        value_buffer = memory_values.new_empty(layers, max(rows, capacity), heads, max_len, self.config.value_dim)
         return DecoderCache(
             memory_keys=memory_keys,
             memory_values=memory_values,
-            # Not zeroed: a step reads only the positions written before it (1.7% of a CPU search was
-            # zeroing 2 x 47 MB per batch at bench/decode_cpu.py's sizes).
-            self_keys=memory_keys.new_empty(layers, rows, heads, max_len, self.config.head_dim),
-            self_values=memory_values.new_empty(layers, rows, heads, max_len, self.config.value_dim),
+            key_buffer=key_buffer,
+            value_buffer=value_buffer,
+            self_keys=key_buffer[:, :rows],
+            self_values=value_buffer[:, :rows],
             src_pad=src_pad,
             group=group,
             linears=[StepLinears.of(layer, rows) for layer in self.decoder],
@@ -531,24 +550,27 @@ class Transformer(nn.Module):
             cache.memory_keys = cache.memory_keys.index_select(1, sources)
             cache.memory_values = cache.memory_values.index_select(1, sources)
             cache.src_pad = cache.src_pad.index_select(0, sources)
-        if index.shape[0] == cache.rows:
-            moved = index.ne(torch.arange(index.shape[0], device=index.device)).nonzero().squeeze(1)
+        rows = index.shape[0]
+        if rows > cache.key_buffer.shape[1]:  # past the capacity: larger buffers, positions >= filled unwritten
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(cache, name)
+                new = old.new_empty(old.shape[0], rows, *old.shape[2:])
+                for old_layer, new_layer in zip(old[:, : cache.rows], new):
+                    new_layer[:, :, :filled] = old_layer[:, :, :filled].index_select(0, index)
+                setattr(cache, name, new)
+        else:
+            moved = index.ne(torch.arange(rows, device=index.device)).nonzero().squeeze(1)
             if moved.numel():
                 origin = index.index_select(0, moved)
                 # Layer by layer, rows on the view's first dimension: on the CPU this is 5 times faster
                 # than one index_copy_ over all layers, which copies the strided view whole, twice.
-                for buffer in (cache.self_keys, cache.self_values):
+                for buffer in (cache.key_buffer, cache.value_buffer):
                     for layer in buffer:
                         written = layer[:, :, :filled]
                         # index_select copies before index_copy_ writes, so rows that swap read their old values.
                         written.index_copy_(0, moved, written.index_select(0, origin))
-            return cache
-        for name in ("self_keys", "self_values"):
-            old = getattr(cache, name)
-            new = old.new_empty(old.shape[0], index.shape[0], *old.shape[2:])  # positions >= filled are never read
-            for old_layer, new_layer in zip(old, new):
-                new_layer[:, :, :filled] = old_layer[:, :, :filled].index_select(0, index)
-            setattr(cache, name, new)
+        cache.self_keys = cache.key_buffer[:, :rows]
+        cache.self_values = cache.value_buffer[:, :rows]
         return cache
 
     def num_parameters(self) -> int:

@@ -239,7 +239,7 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
     # All beams start as the same empty hypothesis, so the first step decodes one row per sentence;
     # the cache then grows into one group of beam rows per sentence, which share the sentence's
     # encoder-decoder keys and values.
-    cache = model.init_cache(memory, src_pad, longest + 1)
+    cache = model.init_cache(memory, src_pad, longest + 1, capacity=batch * beam)
 
     sentence_ids = torch.arange(batch, device=device)  # (active,) the input row of each active sentence
     live_log_probs = torch.zeros((batch, 1), device=device)  # (active, rows per sentence this step)
