@@ -13,7 +13,7 @@ from torch import nn
 
 from aiayn.bpe import learn_bpe, load_processor
 from aiayn.config import to_json
-from aiayn.model import ModelConfig, Transformer
+from aiayn.model import ModelConfig, ScratchBuffers, Transformer
 from aiayn.search import (
     BOS_ID,
     EOS_ID,
@@ -121,7 +121,7 @@ class BigramModel(nn.Module):
     def encode(self, src):
         return src.float()[:, :, None], src.eq(PAD_ID)
 
-    def init_cache(self, memory, src_pad, max_len, group=1, capacity=0):
+    def init_cache(self, memory, src_pad, max_len, group=1, capacity=0, scratch=None):
         return BigramCache(src_pad.repeat_interleave(group, dim=0))
 
     def decode_step(self, tokens, position, cache):
@@ -314,6 +314,27 @@ def test_two_workers_return_what_one_worker_returns_batch_by_batch(half_trained)
     assert [h.score for batch in two for sentence in batch for h in sentence] == \
         pytest.approx([h.score for batch in one for sentence in batch for h in sentence], abs=1e-4)
     assert search_batches(model, [], config, workers=2) == []
+
+
+def test_batches_searched_in_one_scratch_memory_equal_each_searched_alone(half_trained):
+    # Large, small, large: the third batch's cache reuses memory the first two wrote, never read back.
+    batches = [sources(lengths, seed=seed) for seed, lengths in enumerate([[9, 7, 8, 9], [3], [6, 9, 2, 5, 9]])]
+    config = SearchConfig(beam_size=3, n_best=3, max_len_b=6)
+    alone = [beam_search(half_trained, batch, config) for batch in batches]
+    shared = search_batches(half_trained, batches, config)
+    assert [[[(h.tokens, h.score) for h in sentence] for sentence in batch] for batch in shared] == \
+        [[[(h.tokens, h.score) for h in sentence] for sentence in batch] for batch in alone]
+
+
+def test_scratch_buffers_reuse_their_memory_until_a_tensor_does_not_fit():
+    scratch, like = ScratchBuffers(), torch.zeros(1)
+    first = scratch.take("keys", (2, 3, 4), like)
+    assert first.shape == (2, 3, 4) and first.is_contiguous()
+    assert scratch.take("keys", (5, 4), like).data_ptr() == first.data_ptr()  # fits: the same memory
+    assert scratch.take("values", (2, 3), like).data_ptr() != first.data_ptr()  # another name, other memory
+    grown = scratch.take("keys", (7, 4), like)
+    assert grown.shape == (7, 4) and grown.data_ptr() != first.data_ptr()
+    assert scratch.take("keys", (2, 2), like.double()).dtype == torch.float64
 
 
 @pytest.mark.parametrize("workers", [0, -1, 1.5, True])

@@ -376,6 +376,26 @@ class StepLinears:
         )
 
 
+class ScratchBuffers:
+    """Memory that one thread's successive searches reuse for their self-attention caches.
+
+    A fresh cache is tens of megabytes that the operating system maps and zeroes page by page as
+    the first steps write it; reusing the last search's memory skips that (about 2 us a 4 KiB page on
+    BENCHMARKS.md's CPU, 46 ms of a 3 s batch). One search at a time may use it.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[str, Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """An uninitialised tensor of `shape` with like's dtype and device, in the memory kept as `name`."""
+        size = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < size or flat.dtype != like.dtype or flat.device != like.device:
+            flat = self._flat[name] = like.new_empty(size)
+        return flat[:size].view(shape)
+
+
 @dataclass
 class DecoderCache:
     """What incremental decoding keeps between steps; every tensor has its batch on dimension 1, except
@@ -472,15 +492,16 @@ class Transformer(nn.Module):
         return F.linear(hidden, self.embedding.weight)
 
     def init_cache(
-        self, memory: Tensor, src_pad: Tensor, max_len: int, group: int = 1, capacity: int = 0
+        self, memory: Tensor, src_pad: Tensor, max_len: int, group: int = 1, capacity: int = 0,
+        scratch: ScratchBuffers | None = None,
     ) -> DecoderCache:
         """Start incremental decoding of at most max_len target positions, with `group` decoder rows per
         source sentence (beam search: the beam size; the rows of source i are i * group .. i * group + group - 1).
 
         The encoder-decoder keys and values are computed once here, once per source; the self-attention
-        buffers are allocated once, for max(capacity, rows) rows, and written in place by `decode_step`,
-        so a step costs no concatenation. Call it and `decode_step` under the same autocast setting: the
-        cache keeps the dtype of this call.
+        buffers are allocated once, for max(capacity, rows) rows (in `scratch`'s memory if given), and
+        written in place by `decode_step`, so a step costs no concatenation. Call it and `decode_step`
+        under the same autocast setting: the cache keeps the dtype of this call.
         """
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise ValueError(f"group = {group!r} must be a whole number of at least 1")
@@ -491,8 +512,14 @@ class Transformer(nn.Module):
         rows = sources * group
         # Not zeroed: a step reads only the positions written before it (1.7% of a CPU search was
         # zeroing 2 x 47 MB per batch at bench/decode_cpu.py's sizes).
-        key_buffer = memory_keys.new_empty(layers, max(rows, capacity), heads, max_len, self.config.head_dim)
-        value_buffer = memory_values.new_empty(layers, max(rows, capacity), heads, max_len, self.config.value_dim)
+        shapes = {
+            "keys": (layers, max(rows, capacity), heads, max_len, self.config.head_dim),
+            "values": (layers, max(rows, capacity), heads, max_len, self.config.value_dim),
+        }
+        if scratch is None:
+            key_buffer, value_buffer = (memory_keys.new_empty(shape) for shape in shapes.values())
+        else:
+            key_buffer, value_buffer = (scratch.take(name, shape, memory_keys) for name, shape in shapes.items())
         return DecoderCache(
             memory_keys=memory_keys,
             memory_values=memory_values,

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.errors import UserError, cli
+from aiayn.model import ScratchBuffers
 
 # The vocabulary's fixed ids (aiayn.bpe): repeated here so that this module needs no sentencepiece import.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -200,11 +202,14 @@ def greedy_search(
 
 
 @torch.no_grad()
-def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) -> list[list[Hypothesis]]:
+def beam_search(
+    model: Any, src: Tensor, config: SearchConfig = SearchConfig(), scratch: ScratchBuffers | None = None
+) -> list[list[Hypothesis]]:
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
-    The model needs the Transformer's inference API: encode, init_cache (with group), decode_step,
-    reorder_cache (with sources, filled and group).
+    The model needs the Transformer's inference API: encode, init_cache (with group, capacity and
+    scratch), decode_step, reorder_cache (with sources, filled and group). A thread that searches
+    batch after batch passes the same `scratch` to each, so their caches reuse one memory.
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
@@ -239,7 +244,7 @@ def beam_search(model: Any, src: Tensor, config: SearchConfig = SearchConfig()) 
     # All beams start as the same empty hypothesis, so the first step decodes one row per sentence;
     # the cache then grows into one group of beam rows per sentence, which share the sentence's
     # encoder-decoder keys and values.
-    cache = model.init_cache(memory, src_pad, longest + 1, capacity=batch * beam)
+    cache = model.init_cache(memory, src_pad, longest + 1, capacity=batch * beam, scratch=scratch)
 
     sentence_ids = torch.arange(batch, device=device)  # (active,) the input row of each active sentence
     live_log_probs = torch.zeros((batch, 1), device=device)  # (active, rows per sentence this step)
@@ -396,13 +401,16 @@ def search_batches(
         return []
     device = batches[0].device
     workers = search_workers(workers, device)
+    per_thread = threading.local()  # each thread's ScratchBuffers: its searches reuse one cache memory
 
     def search(batch: Tensor) -> list[list[Hypothesis]]:
+        if not hasattr(per_thread, "scratch"):
+            per_thread.scratch = ScratchBuffers()
         # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
         # inference_mode and autocast are per thread, so each worker enters them itself.
         autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         with torch.inference_mode(), autocast:
-            return beam_search(model, batch, config)
+            return beam_search(model, batch, config, per_thread.scratch)
 
     results: list[list[list[Hypothesis]]] = [[] for _ in batches]
     if workers == 1:
