@@ -384,7 +384,8 @@ def search_batches(
     workers: int = 1,
     on_done: Callable[[int], None] | None = None,
 ) -> list[list[list[Hypothesis]]]:
-    """beam_search on each padded batch (all on one device), returning each batch's results in order.
+    """beam_search on each padded batch (all on one device, most sentences first), returning each
+    batch's results in the order of `batches`.
 
     With workers > 1 on the CPU (elsewhere it is 1) that many batches are searched at the same time,
     each in its own thread with torch.get_num_threads() // workers intra-op threads (at least 1),
@@ -413,11 +414,15 @@ def search_batches(
             return beam_search(model, batch, config, per_thread.scratch)
 
     results: list[list[list[Hypothesis]]] = [[] for _ in batches]
+    # Most sentences first (each costs a decoder row per beam and step; source length matters less): a
+    # thread's first search sizes the scratch memory that its later ones reuse, and with workers the
+    # last batches to start are small ones, so that the workers finish close together.
+    largest_first = sorted(range(len(batches)), key=lambda index: (-batches[index].shape[0], -batches[index].numel()))
     if workers == 1:
-        for index, batch in enumerate(batches):
-            results[index] = search(batch)
+        for index in largest_first:
+            results[index] = search(batches[index])
             if on_done is not None:
-                on_done(batch.shape[0])
+                on_done(batches[index].shape[0])
         return results
 
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -428,9 +433,6 @@ def search_batches(
     def initialise() -> None:
         torch.set_num_threads(per_worker)  # OpenMP's thread count is per calling thread: set it in each
 
-    # Most sentences first (each costs a decoder row per beam and step; source length matters less), so
-    # that the last batches to start are small ones and the workers finish close together.
-    largest_first = sorted(range(len(batches)), key=lambda index: (-batches[index].shape[0], -batches[index].numel()))
     try:
         with ThreadPoolExecutor(max_workers=workers, initializer=initialise, thread_name_prefix="aiayn-search") as pool:
             futures = {pool.submit(search, batches[index]): index for index in largest_first}
