@@ -93,6 +93,17 @@ def build_marian(config: ModelConfig, device: str):
     return model, step
 
 
+def seconds_of(work, device: str) -> tuple[float, object]:
+    """Wall-clock seconds of work() and its result, with the device's queue drained before and after."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = work()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
 def measure(build, config, batches, device: str, precision: str, warmup: int, compile_model: bool = False) -> dict:
     torch.manual_seed(0)
     model, step = build(config, device)
@@ -104,17 +115,16 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     times, tokens, flops = [], [], []
     for index, (src, tgt_in, tgt_out) in enumerate(batches):
         src, tgt_in, tgt_out = src.to(device), tgt_in.to(device), tgt_out.to(device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with autocast(device, precision):
-            loss = step(src, tgt_in, tgt_out)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+
+        def train_step():
+            with autocast(device, precision):
+                loss = step(src, tgt_in, tgt_out)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        elapsed, loss = seconds_of(train_step, device)
         if not math.isfinite(loss.item()):
             raise RuntimeError("non-finite loss in the benchmark")
         if index >= warmup:
@@ -147,18 +157,12 @@ def matmul_rate(config: ModelConfig, tokens: int, device: str, precision: str, r
         g = torch.randn(tokens, fan_out, device=device, generator=generator)
         products = [lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x]  # forward, input grad, weight grad
         for product in products:
-            with autocast(device, precision):
-                product()
-            seconds = []
-            for _ in range(repeats):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
+            def run(product=product):
                 with autocast(device, precision):
-                    product()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - start)
+                    return product()
+
+            run()
+            seconds = [seconds_of(run, device)[0] for _ in range(repeats)]
             total_flops += 2.0 * tokens * fan_in * fan_out
             total_seconds += statistics.median(seconds)
     return total_flops / total_seconds

@@ -306,10 +306,11 @@ class DecoderLayer(nn.Module):
         linears = cache.linears[layer]
         queries, key, value = attention._self_projections(x, linears.self_qkv)
         # The cache keeps the dtype init_cache gave it (bf16 under autocast).
-        cache.self_keys[layer, :, :, position : position + 1] = key
-        cache.self_values[layer, :, :, position : position + 1] = value
-        keys = cache.self_keys[layer, :, :, : position + 1]  # (rows, heads, position + 1, d_head)
-        values = cache.self_values[layer, :, :, : position + 1]
+        layer_keys, layer_values = cache.self_keys[layer], cache.self_values[layer]  # (rows, heads, max_len, d)
+        layer_keys[:, :, position : position + 1] = key
+        layer_values[:, :, position : position + 1] = value
+        keys = layer_keys[:, :, : position + 1]  # (rows, heads, position + 1, d_head)
+        values = layer_values[:, :, : position + 1]
         # One query over the positions so far: no causal mask is needed.
         attended = attention.attend(queries.to(keys.dtype), keys, values, decoding=True, output=linears.self_output)
         x = self.self_attention_norm(x + self.dropout(attended))
@@ -412,8 +413,7 @@ class DecoderCache:
     # to its capacity (one row per sentence into beams) moves rows without allocating.
     key_buffer: Tensor
     value_buffer: Tensor
-    self_keys: Tensor  # key_buffer[:, :rows], filled one position per step
-    self_values: Tensor  # value_buffer[:, :rows]
+    rows: int  # decoder rows in use
     src_pad: Tensor  # (sources, src_len), True at pad
     # Per decoder layer, its linear maps prepared once for the step (Q, K and V in one matrix multiply).
     linears: list[StepLinears]
@@ -422,12 +422,18 @@ class DecoderCache:
     group: int = 1  # decoder rows per source
 
     @property
-    def max_len(self) -> int:
-        return self.self_keys.shape[3]
+    def self_keys(self) -> Tensor:
+        """(layers, rows, heads, max_len, d_head), filled one position per step."""
+        return self.key_buffer[:, : self.rows]
 
     @property
-    def rows(self) -> int:
-        return self.self_keys.shape[1]
+    def self_values(self) -> Tensor:
+        """(layers, rows, heads, max_len, d_value)."""
+        return self.value_buffer[:, : self.rows]
+
+    @property
+    def max_len(self) -> int:
+        return self.key_buffer.shape[3]
 
 
 class Transformer(nn.Module):
@@ -516,17 +522,14 @@ class Transformer(nn.Module):
             "keys": (layers, max(rows, capacity), heads, max_len, self.config.head_dim),
             "values": (layers, max(rows, capacity), heads, max_len, self.config.value_dim),
         }
-        if scratch is None:
-            key_buffer, value_buffer = (memory_keys.new_empty(shape) for shape in shapes.values())
-        else:
-            key_buffer, value_buffer = (scratch.take(name, shape, memory_keys) for name, shape in shapes.items())
+        scratch = ScratchBuffers() if scratch is None else scratch  # a fresh one: newly allocated memory
+        key_buffer, value_buffer = (scratch.take(name, shape, memory_keys) for name, shape in shapes.items())
         return DecoderCache(
             memory_keys=memory_keys,
             memory_values=memory_values,
             key_buffer=key_buffer,
             value_buffer=value_buffer,
-            self_keys=key_buffer[:, :rows],
-            self_values=value_buffer[:, :rows],
+            rows=rows,
             src_pad=src_pad,
             group=group,
             linears=[StepLinears.of(layer, rows) for layer in self.decoder],
@@ -596,8 +599,7 @@ class Transformer(nn.Module):
                         written = layer[:, :, :filled]
                         # index_select copies before index_copy_ writes, so rows that swap read their old values.
                         written.index_copy_(0, moved, written.index_select(0, origin))
-        cache.self_keys = cache.key_buffer[:, :rows]
-        cache.self_values = cache.value_buffer[:, :rows]
+        cache.rows = rows
         return cache
 
     def num_parameters(self) -> int:

@@ -388,8 +388,8 @@ def search_batches(
     batch's results in the order of `batches`.
 
     With workers > 1 on the CPU (elsewhere it is 1) that many batches are searched at the same time,
-    each in its own thread with torch.get_num_threads() // workers intra-op threads (at least 1),
-    largest batches first; CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
+    each in its own thread with torch.get_num_threads() // workers intra-op threads (at least 1);
+    CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
     the threads run on separate cores. A search step is hundreds of small operators, which one
     thread runs with less overhead than two sharing each operator: on 2 cores, 2 workers of 1
     thread each decode about 1.2 times as many tokens per second as 1 worker of 2 threads (BENCHMARKS.md).
