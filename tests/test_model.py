@@ -352,18 +352,24 @@ def test_reorder_cache_regroups_one_row_per_source_into_beams():
             model.reorder_cache(model.init_cache(*model.encode(src), max_len=6), torch.tensor([0, 0, 1]), group=2)
 
 
-def test_reorder_cache_copies_only_the_filled_positions_of_rows_that_move():
+@pytest.mark.parametrize("copy_from, starts", [(None, [4, 0, 0]), ([4, 2, 0], [4, 2, 0])])
+def test_reorder_cache_copies_moved_rows_from_copy_from_up_to_filled(copy_from, starts):
+    # By default a row that stays copies nothing and a row that moves copies all of its filled positions.
     model = tiny_model()
+    index, filled = torch.tensor([0, 0, 1]), 4
     with torch.no_grad():
-        cache = model.init_cache(*model.encode(tokens(1, 4, seed=1)), max_len=5, group=3)
-        for buffer in (cache.self_keys, cache.self_values):
+        cache = model.init_cache(*model.encode(tokens(1, 4, seed=1)), max_len=6, group=3)
+        for buffer in (cache.self_keys, cache.self_values):  # every value its own number, to trace moves
             buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype).view_as(buffer))
-        before = cache.self_keys.clone()
-        model.reorder_cache(cache, torch.tensor([0, 0, 1]), filled=2)
-    assert torch.equal(cache.self_keys[:, 0], before[:, 0])  # stayed
-    assert torch.equal(cache.self_keys[:, 1, :, :2], before[:, 0, :, :2])  # copied from row 0
-    assert torch.equal(cache.self_keys[:, 2, :, :2], before[:, 1, :, :2])  # copied from row 1
-    assert torch.equal(cache.self_keys[:, 1:, :, 2:], before[:, 1:, :, 2:])  # unwritten positions untouched
+        before = (cache.self_keys.clone(), cache.self_values.clone())
+        starts_given = None if copy_from is None else torch.tensor(copy_from)
+        model.reorder_cache(cache, index, filled=filled, copy_from=starts_given)
+    for after, old in zip((cache.self_keys, cache.self_values), before):
+        for row, (origin, start) in enumerate(zip(index.tolist(), starts)):
+            assert torch.equal(after[:, row, :, :start], old[:, row, :, :start])  # below copy_from: as it was
+            # Row 2 reads row 1's old values although row 1 is rewritten.
+            assert torch.equal(after[:, row, :, start:filled], old[:, origin, :, start:filled])
+            assert torch.equal(after[:, row, :, filled:], old[:, row, :, filled:])  # unwritten positions untouched
 
 
 # Learning.

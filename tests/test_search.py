@@ -20,6 +20,7 @@ from aiayn.search import (
     PAD_ID,
     SearchConfig,
     beam_search,
+    first_differing_positions,
     greedy_search,
     length_penalty,
     length_sorted_batches,
@@ -28,6 +29,7 @@ from aiayn.search import (
     max_output_lengths,
     search_batches,
     stable_slots,
+    surviving_order,
     top_k,
     translate_n_best,
     translate_sentences,
@@ -128,7 +130,7 @@ class BigramModel(nn.Module):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index, sources=None, filled=None, group=None):
+    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None):
         cache.src_pad = cache.src_pad.index_select(0, index)
         return cache
 
@@ -205,6 +207,43 @@ def test_stable_slots_are_a_permutation_for_every_parent_pattern():
     first_child = torch.tensor([[p not in row[:j] for j, p in enumerate(row)] for row in patterns.tolist()])
     assert torch.equal(slots[first_child], patterns[first_child])
 
+
+
+def test_surviving_order_keeps_places_and_fills_holes_from_the_end():
+    done = torch.tensor([False, True, False, True, False, False, True, False])
+    # 5 go on: places 0, 2 and 4 stay; the ended 1 and 3 take the survivors after place 5, 5 and 7.
+    assert surviving_order(done).tolist() == [0, 5, 2, 7, 4]
+    assert surviving_order(torch.tensor([True, True])).tolist() == []
+    assert surviving_order(torch.tensor([False, False, True])).tolist() == [0, 1]
+
+
+def test_first_differing_positions_follow_the_shared_tokens_of_a_sentence():
+    # Two sentences of beam 2 after step 3 (tokens of steps 0..2); the fourth column is not written yet.
+    tokens = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 0], [9, 4, 4, 0], [10, 4, 4, 0]])
+    keep_rows = torch.tensor([1, 1, 3, 2])
+    # Row 0 takes row 1's hypothesis: tokens 0 and 1 agree, so positions 0..2 (BOS, 5, 6) are shared.
+    # Row 1 keeps its own (nothing to copy: filled = 4). Rows 2 and 3 swap: they differ at token 0.
+    assert first_differing_positions(tokens, keep_rows, 3, 2, None).tolist() == [3, 4, 1, 1]
+    # The first sentence ends and the second moves into its rows: nothing of theirs is shared.
+    assert first_differing_positions(tokens, keep_rows[2:], 3, 2, torch.tensor([1])).tolist() == [0, 0]
+
+
+class FullCopyTransformer(Transformer):
+    """Copies the whole written history of every row that moves, as reorder_cache did before copy_from."""
+
+    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None):
+        return super().reorder_cache(cache, index, sources, filled, group)
+
+
+@pytest.mark.parametrize("kind", ["half_trained", "random"])
+def test_copying_only_where_hypotheses_differ_gives_exactly_the_full_copy_search(kind, half_trained):
+    model = half_trained if kind == "half_trained" else tiny_model(seed=21)
+    full_copy = with_weights(FullCopyTransformer, model)
+    config = SearchConfig(beam_size=4, n_best=4, max_len_a=0.5, max_len_b=6)
+    src = sources([7, 3, 5, 9, 12, 4, 8, 2], seed=22)
+    expected = beam_search(full_copy, src, config)
+    assert [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in beam_search(model, src, config)] == \
+        [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in expected]
 
 @pytest.mark.parametrize("early_stopping", [True, False])
 def test_cached_batched_search_equals_full_recomputation(early_stopping, half_trained):

@@ -306,11 +306,9 @@ class DecoderLayer(nn.Module):
         linears = cache.linears[layer]
         queries, key, value = attention._self_projections(x, linears.self_qkv)
         # The cache keeps the dtype init_cache gave it (bf16 under autocast).
-        layer_keys, layer_values = cache.self_keys[layer], cache.self_values[layer]  # (rows, heads, max_len, d)
-        layer_keys[:, :, position : position + 1] = key
-        layer_values[:, :, position : position + 1] = value
-        keys = layer_keys[:, :, : position + 1]  # (rows, heads, position + 1, d_head)
-        values = layer_values[:, :, : position + 1]
+        cache.key_buffer[layer, position, : cache.rows] = key[:, :, 0]  # (rows, heads, d_head)
+        cache.value_buffer[layer, position, : cache.rows] = value[:, :, 0]
+        keys, values = cache.layer_keys_values(layer, position + 1)  # (rows, heads, position + 1, d)
         # One query over the positions so far: no causal mask is needed.
         attended = attention.attend(queries.to(keys.dtype), keys, values, decoding=True, output=linears.self_output)
         x = self.self_attention_norm(x + self.dropout(attended))
@@ -399,8 +397,7 @@ class ScratchBuffers:
 
 @dataclass
 class DecoderCache:
-    """What incremental decoding keeps between steps; every tensor has its batch on dimension 1, except
-    src_pad, which has it on dimension 0.
+    """What incremental decoding keeps between steps.
 
     The decoder has rows = sources * group rows: row r belongs to source r // group (beam search puts
     the beams of a sentence in one group). Encoder-decoder keys and values are kept once per source.
@@ -408,9 +405,11 @@ class DecoderCache:
 
     memory_keys: Tensor  # (layers, sources, heads, src_len, d_head), encoder-decoder keys, computed once
     memory_values: Tensor  # (layers, sources, heads, src_len, d_value)
-    # The self-attention buffers, (layers, capacity, heads, max_len, d_head / d_value): rows are kept
-    # in place in the first `rows` of them, so a batch that shrinks (sentences that end) or grows up
-    # to its capacity (one row per sentence into beams) moves rows without allocating.
+    # The self-attention buffers, (layers, max_len, capacity, heads, d_head / d_value), position-major:
+    # a step writes one contiguous (rows, heads, d) slab, and a row's keys at a position are one
+    # contiguous heads x d block that a reorder copies whole. Rows are kept in place in the first
+    # `rows` of the capacity, so a batch that shrinks (sentences that end) or grows up to its capacity
+    # (one row per sentence into beams) moves rows without allocating.
     key_buffer: Tensor
     value_buffer: Tensor
     rows: int  # decoder rows in use
@@ -421,19 +420,54 @@ class DecoderCache:
     project: Callable[[Tensor], Tensor]
     group: int = 1  # decoder rows per source
 
+    def layer_keys_values(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
+        """A layer's self-attention keys and values at positions 0 .. length - 1, as views of shape
+        (rows, heads, length, d_head / d_value)."""
+        return (self.key_buffer[layer, :length, : self.rows].permute(1, 2, 0, 3),
+                self.value_buffer[layer, :length, : self.rows].permute(1, 2, 0, 3))
+
     @property
     def self_keys(self) -> Tensor:
         """(layers, rows, heads, max_len, d_head), filled one position per step."""
-        return self.key_buffer[:, : self.rows]
+        return self.key_buffer[:, :, : self.rows].permute(0, 2, 3, 1, 4)
 
     @property
     def self_values(self) -> Tensor:
         """(layers, rows, heads, max_len, d_value)."""
-        return self.value_buffer[:, : self.rows]
+        return self.value_buffer[:, :, : self.rows].permute(0, 2, 3, 1, 4)
 
     @property
     def max_len(self) -> int:
-        return self.key_buffer.shape[3]
+        return self.key_buffer.shape[1]
+
+
+def _copy_cache_rows(cache: DecoderCache, index: Tensor, copy_from: Tensor, filled: int) -> None:
+    """Row i of the self-attention buffers takes old row index[i]'s keys and values at positions
+    copy_from[i] .. filled - 1, for all layers at once.
+
+    Each (layer, position, row) is one contiguous block of heads x d values in the position-major
+    buffers, so the copy is one gather and one scatter of blocks per buffer, whatever the rows and
+    positions. The gather reads every block before the scatter writes any, so rows that swap read
+    their old values.
+    """
+    lengths = (filled - copy_from).clamp(min=0)
+    rows = lengths.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    lengths = lengths.index_select(0, rows)
+    total = int(lengths.sum())
+    targets = rows.repeat_interleave(lengths, output_size=total)
+    origins = index.index_select(0, rows).repeat_interleave(lengths, output_size=total)
+    # The positions copy_from[i], copy_from[i] + 1, ... of each row, as one flat run.
+    offsets = torch.arange(total, device=index.device) - (lengths.cumsum(0) - lengths).repeat_interleave(
+        lengths, output_size=total)
+    positions = copy_from.index_select(0, rows).repeat_interleave(lengths, output_size=total) + offsets
+    layers, max_len, capacity = cache.key_buffer.shape[:3]
+    base = (torch.arange(layers, device=index.device)[:, None] * max_len + positions) * capacity  # (layers, n)
+    to, of = (base + targets).reshape(-1), (base + origins).reshape(-1)
+    for buffer in (cache.key_buffer, cache.value_buffer):
+        blocks = buffer.view(layers * max_len * capacity, -1)  # the buffers are contiguous (init_cache)
+        blocks.index_copy_(0, to, blocks.index_select(0, of))
 
 
 class Transformer(nn.Module):
@@ -519,8 +553,8 @@ class Transformer(nn.Module):
         # Not zeroed: a step reads only the positions written before it (1.7% of a CPU search was
         # zeroing 2 x 47 MB per batch at bench/decode_cpu.py's sizes).
         shapes = {
-            "keys": (layers, max(rows, capacity), heads, max_len, self.config.head_dim),
-            "values": (layers, max(rows, capacity), heads, max_len, self.config.value_dim),
+            "keys": (layers, max_len, max(rows, capacity), heads, self.config.head_dim),
+            "values": (layers, max_len, max(rows, capacity), heads, self.config.value_dim),
         }
         scratch = ScratchBuffers() if scratch is None else scratch  # a fresh one: newly allocated memory
         key_buffer, value_buffer = (scratch.take(name, shape, memory_keys) for name, shape in shapes.items())
@@ -555,7 +589,7 @@ class Transformer(nn.Module):
 
     def reorder_cache(
         self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None,
-        group: int | None = None,
+        group: int | None = None, copy_from: Tensor | None = None,
     ) -> DecoderCache:
         """Keep decoder rows `index` (beam search: the hypotheses that survive), in that order.
 
@@ -565,8 +599,13 @@ class Transformer(nn.Module):
         belong to new source i // group). A `group` other than the cache's regroups it: the sources
         stay (or are `sources`), and the new rows, `group` per source, are the old rows `index`;
         beam search decodes its first step with one row per sentence and then grows it into beams.
-        Only positions below `filled` (default: all) are copied, and rows that stay where they are
-        are not copied at all. Updates `cache` in place and returns it.
+
+        Only positions below `filled` (default: all) are copied. `copy_from` (rows,) gives, for each
+        new row i, the first position to copy from old row index[i]: the positions before it must
+        already hold the same keys and values in row i (beam search: hypotheses of one sentence that
+        share their first tokens share the keys and values of those positions). By default a row that
+        stays where it is copies nothing and any other row copies all. Updates `cache` in place and
+        returns it.
         """
         filled = cache.max_len if filled is None else filled
         if group is not None and group != cache.group:
@@ -581,24 +620,16 @@ class Transformer(nn.Module):
             cache.memory_values = cache.memory_values.index_select(1, sources)
             cache.src_pad = cache.src_pad.index_select(0, sources)
         rows = index.shape[0]
-        if rows > cache.key_buffer.shape[1]:  # past the capacity: larger buffers, positions >= filled unwritten
+        if rows > cache.key_buffer.shape[2]:  # past the capacity: larger buffers, positions >= filled unwritten
             for name in ("key_buffer", "value_buffer"):
                 old = getattr(cache, name)
-                new = old.new_empty(old.shape[0], rows, *old.shape[2:])
-                for old_layer, new_layer in zip(old[:, : cache.rows], new):
-                    new_layer[:, :, :filled] = old_layer[:, :, :filled].index_select(0, index)
+                new = old.new_empty(old.shape[0], old.shape[1], rows, *old.shape[3:])
+                new[:, :filled] = old[:, :filled, : cache.rows].index_select(2, index)
                 setattr(cache, name, new)
         else:
-            moved = index.ne(torch.arange(rows, device=index.device)).nonzero().squeeze(1)
-            if moved.numel():
-                origin = index.index_select(0, moved)
-                # Layer by layer, rows on the view's first dimension: on the CPU this is 5 times faster
-                # than one index_copy_ over all layers, which copies the strided view whole, twice.
-                for buffer in (cache.key_buffer, cache.value_buffer):
-                    for layer in buffer:
-                        written = layer[:, :, :filled]
-                        # index_select copies before index_copy_ writes, so rows that swap read their old values.
-                        written.index_copy_(0, moved, written.index_select(0, origin))
+            if copy_from is None:
+                copy_from = torch.where(index.eq(torch.arange(rows, device=index.device)), filled, 0)
+            _copy_cache_rows(cache, index, copy_from, filled)
         cache.rows = rows
         return cache
 

@@ -208,8 +208,8 @@ def beam_search(
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
     The model needs the Transformer's inference API: encode, init_cache (with group, capacity and
-    scratch), decode_step, reorder_cache (with sources, filled and group). A thread that searches
-    batch after batch passes the same `scratch` to each, so their caches reuse one memory.
+    scratch), decode_step, reorder_cache (with sources, filled, group and copy_from). A thread that
+    searches batch after batch passes the same `scratch` to each, so their caches reuse one memory.
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
@@ -304,7 +304,7 @@ def beam_search(
         if bool(done.any()):
             _collect(results, sentence_ids[done], finished_scores[done], finished_log_probs[done],
                      finished_tokens[done], config.n_best)
-            kept = (~done).nonzero().squeeze(1)
+            kept = surviving_order(done)
             if kept.numel() == 0:
                 break
             sentence_ids = sentence_ids[kept]
@@ -316,14 +316,48 @@ def beam_search(
             keep_rows = keep_rows[kept]
             new_tokens = new_tokens[kept]
         keep_rows = keep_rows.reshape(-1)
+        if step == 0:
+            # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
+            cache = model.reorder_cache(cache, keep_rows // beam, sources=kept, filled=1, group=beam)
+        else:
+            # Only the positions written so far are copied, and of those only the ones where a row's
+            # new hypothesis differs from the one it replaces; kept (not None) says which sentences stay.
+            copy_from = first_differing_positions(live_tokens, keep_rows, step, beam, kept)
+            cache = model.reorder_cache(cache, keep_rows, sources=kept, filled=step + 1, copy_from=copy_from)
         live_tokens = live_tokens[keep_rows]
         live_tokens[:, step] = new_tokens.reshape(-1)
         last_tokens = live_tokens[:, step]
-        # Only the positions written so far are copied; kept (not None) says which sentences stay.
-        # After the first step (one row per sentence) the rows are the parents' sentences, grown into beams.
-        cache = model.reorder_cache(cache, keep_rows // beam if step == 0 else keep_rows, sources=kept,
-                                    filled=step + 1, group=beam)
     return results
+
+
+def surviving_order(done: Tensor) -> Tensor:
+    """(active,) True where a sentence's search has ended -> the sentences that go on, in an order
+    that moves few of them: the ones before position `survivors` keep their places, and those
+    after it fill the places of the ones that ended, in order."""
+    survivors = int(done.numel() - done.sum())
+    order = torch.arange(survivors, device=done.device)
+    order[done[:survivors].nonzero().squeeze(1)] = (~done[survivors:]).nonzero().squeeze(1) + survivors
+    return order
+
+
+def first_differing_positions(tokens: Tensor, keep_rows: Tensor, step: int, beam: int, kept: Tensor | None) -> Tensor:
+    """The first decoder position at which new row i (old row keep_rows[i]'s hypothesis) may have
+    other self-attention keys and values than old row i, whose cache it takes over.
+
+    tokens (old rows, width) holds each hypothesis's tokens of steps 0 .. step - 1; decoder position
+    p reads the tokens before it (BOS, then tokens[:p]). Two hypotheses of one sentence whose first
+    k tokens agree descend from one hypothesis of length k, whose keys and values at positions
+    0 .. k were computed once and copied, so those positions need no copy (a beam search copied
+    a twentieth of what whole rows would be on bench/decode_cpu.py). A row that takes over
+    another sentence's row starts at 0.
+    """
+    rows = keep_rows.shape[0]
+    differs = tokens[:rows, :step].ne(tokens.index_select(0, keep_rows)[:, :step])  # (rows, step)
+    first = torch.where(differs.any(dim=1), differs.int().argmax(dim=1), step) + 1
+    if kept is not None:  # new row i is a row of sentence kept[i // beam]; old row i was of sentence i // beam
+        same_sentence = kept.repeat_interleave(beam).eq(torch.arange(rows, device=kept.device) // beam)
+        first = torch.where(same_sentence, first, 0)
+    return first
 
 
 def _collect(
