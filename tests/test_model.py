@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.errors import UserError
-from aiayn.model import ModelConfig, Transformer, _few_query_attention, sinusoid_table, step_linear
+from aiayn.model import (
+    ModelConfig, Transformer, _few_query_attention, key_padding_bias, sinusoid_table, step_linear,
+)
 from aiayn.params import count_parameters, main as params_main
 
 PAD = 0
@@ -271,6 +273,11 @@ def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries, ke
     for key_mask in (None, mask):
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
         torch.testing.assert_close(_few_query_attention(q, k, v, key_mask), expected, rtol=1e-5, atol=1e-6)
+    # The mask as an additive bias, with keys contiguous or stored transposed (as init_cache does on the CPU).
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for keys in (k, k.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        result = _few_query_attention(q, keys, v, key_padding_bias(src_pad, torch.float32))
+        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_decode_step_after_reorder_cache_matches_the_reordered_batch():
