@@ -208,10 +208,9 @@ def test_stable_slots_are_a_permutation_for_every_parent_pattern():
     assert torch.equal(slots[first_child], patterns[first_child])
 
 
-
 def test_surviving_order_keeps_places_and_fills_holes_from_the_end():
     done = torch.tensor([False, True, False, True, False, False, True, False])
-    # 5 go on: places 0, 2 and 4 stay; the ended 1 and 3 take the survivors after place 5, 5 and 7.
+    # 5 go on: places 0, 2 and 4 keep theirs; places 1 and 3 (ended) go to the survivors past place 4, 5 and 7.
     assert surviving_order(done).tolist() == [0, 5, 2, 7, 4]
     assert surviving_order(torch.tensor([True, True])).tolist() == []
     assert surviving_order(torch.tensor([False, False, True])).tolist() == [0, 1]
@@ -244,6 +243,7 @@ def test_copying_only_where_hypotheses_differ_gives_exactly_the_full_copy_search
     expected = beam_search(full_copy, src, config)
     assert [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in beam_search(model, src, config)] == \
         [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in expected]
+
 
 @pytest.mark.parametrize("early_stopping", [True, False])
 def test_cached_batched_search_equals_full_recomputation(early_stopping, half_trained):

@@ -347,9 +347,9 @@ def first_differing_positions(tokens: Tensor, keep_rows: Tensor, step: int, beam
     tokens (old rows, width) holds each hypothesis's tokens of steps 0 .. step - 1; decoder position
     p reads the tokens before it (BOS, then tokens[:p]). Two hypotheses of one sentence whose first
     k tokens agree descend from one hypothesis of length k, whose keys and values at positions
-    0 .. k were computed once and copied, so those positions need no copy (a beam search copied
-    a twentieth of what whole rows would be on bench/decode_cpu.py). A row that takes over
-    another sentence's row starts at 0.
+    0 .. k were computed once and copied, so those positions need no copy (on bench/decode_cpu.py
+    that is an eighth of what copying the whole rows moved). A row that takes over another
+    sentence's row starts at 0.
     """
     rows = keep_rows.shape[0]
     differs = tokens[:rows, :step].ne(tokens.index_select(0, keep_rows)[:, :step])  # (rows, step)
