@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from aiayn.errors import UserError
 from aiayn.model import (
-    ModelConfig, Transformer, _few_query_attention, key_padding_bias, sinusoid_table, step_linear,
+    ModelConfig, PackedWeights, Transformer, _few_query_attention, key_padding_bias, sinusoid_table, step_linear,
 )
 from aiayn.params import count_parameters, main as params_main
 
@@ -260,6 +260,35 @@ def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, 
         result = project(x)
     torch.testing.assert_close(result, expected.relu() if relu else expected, rtol=1e-5, atol=1e-5)
 
+
+
+def test_encoder_without_gradients_uses_packed_weights_and_gives_the_same_memory():
+    model = tiny_model()
+    src = tokens(3, 7, seed=1)
+    src[1, 4:] = PAD
+    expected, _ = model.encode(src)  # gradients on: the modules' own linear maps
+    with torch.inference_mode():
+        memory, src_pad = model.encode(src)
+    torch.testing.assert_close(memory, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(src_pad, src.eq(PAD))
+
+
+def test_packed_weights_are_reused_until_a_weight_changes_in_place():
+    layer = torch.nn.Linear(32, 48)
+    packed = PackedWeights()
+    x = torch.randn(5, 1, 32)
+    with torch.inference_mode():
+        first = packed.linear("layer", [layer])(x)
+    stored = dict(packed._packed)
+    with torch.inference_mode():
+        packed.linear("layer", [layer])
+    assert all(packed._packed[name][1] is stored[name][1] for name in stored)  # not repacked
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # an in-place update, as an optimizer step or load_state_dict makes
+    with torch.inference_mode():
+        second = packed.linear("layer", [layer])(x)
+    torch.testing.assert_close(first, F.linear(x, layer.weight / 2.0, layer.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 @pytest.mark.parametrize("queries", [1, 4])
 @pytest.mark.parametrize("keys", [9, 60])  # 1 query over 9 keys of size 8 takes the products-and-sums path

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,9 +118,14 @@ class MultiHeadAttention(nn.Module):
         self.value = nn.Linear(config.d_model, config.n_heads * config.value_dim)
         self.output = nn.Linear(config.n_heads * config.value_dim, config.d_model)  # W^O
 
-    def forward(self, x: Tensor, source: Tensor, key_mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    def forward(
+        self, x: Tensor, source: Tensor, key_mask: Tensor | None = None, causal: bool = False,
+        project: Callable[[Tensor], Tensor] | None = None, output: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """project and output (self-attention only): the stacked Q, K, V map and W^O as inference
+        applies them (`StepLinears`); by default the module's own layers."""
         if source is x:
-            return self.attend(*self._self_projections(x), key_mask, causal)
+            return self.attend(*self._self_projections(x, project), key_mask, causal, output=output)
         keys, values = self.keys_values(source)
         return self.attend(self.queries(x), keys, values, key_mask, causal)
 
@@ -290,10 +295,15 @@ class EncoderLayer(nn.Module):
         self.feed_forward_norm = nn.LayerNorm(config.d_model)
         self.dropout = nn.Dropout(config.dropout)  # residual dropout, Section 5.4
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, src_mask: Tensor, linears: StepLinears | None = None) -> Tensor:
         # Post-norm, as the paper (the Annotated Transformer and later t2t are pre-norm).
-        x = self.self_attention_norm(x + self.dropout(self.self_attention(x, x, src_mask)))
-        return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+        if linears is None:
+            x = self.self_attention_norm(x + self.dropout(self.self_attention(x, x, src_mask)))
+            return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
+        # Inference with packed weights (Transformer.encode): the same maps, the same order.
+        attended = self.self_attention(x, x, src_mask, project=linears.self_qkv, output=linears.self_output)
+        x = self.self_attention_norm(x + self.dropout(attended))
+        return self.feed_forward_norm(x + self.dropout(linears.feed_forward_outer(linears.feed_forward_inner(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -349,19 +359,35 @@ def _onednn_linear_available() -> bool:
         hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
 
 
-def step_linear(weight: Tensor, bias: Tensor | None, rows: int, relu: bool = False) -> Callable[[Tensor], Tensor]:
-    """x -> x W^T + b (then ReLU if relu) for the cached decoder step, which applies it to `rows`-row
-    inputs once per position of a search.
+def packs_for_onednn(weight: Tensor) -> bool:
+    """Whether inference linear maps with this weight run on oneDNN with a packed weight (CPU, float32,
+    no autocast, oneDNN present)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
+        and _onednn_linear_available()
 
-    On the CPU in float32 (where torch has oneDNN) W is reordered once into oneDNN's blocked layout and
-    each step multiplies by it with oneDNN, ReLU fused: F.linear would go through MKL, which repacks W
-    on every call. For one step's linear layers at 248 rows (62 sentences x 4 beams) that was 18%
-    faster with 2 threads on the AVX2 CPU of BENCHMARKS.md (no faster with 1), with the same float32
-    arithmetic up to summation order. Elsewhere (CUDA, autocast, no oneDNN) it is F.linear.
+
+def pack_for_onednn(weight: Tensor, rows: int) -> Tensor:
+    """W reordered into oneDNN's blocked layout for products with `rows`-row inputs (a hint: speeds at
+    62 to 420 rows did not depend on it on BENCHMARKS.md's CPU)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(rows, 1))
+
+
+def step_linear(
+    weight: Tensor, bias: Tensor | None, rows: int, relu: bool = False, packed: Tensor | None = None,
+) -> Callable[[Tensor], Tensor]:
+    """x -> x W^T + b (then ReLU if relu) for inference: the cached decoder step applies it to `rows`-row
+    inputs once per position of a search, the encoder to a batch's tokens.
+
+    On the CPU in float32 (where torch has oneDNN) W is reordered into oneDNN's blocked layout (or
+    `packed` is that already) and each call multiplies by it with oneDNN, ReLU fused: F.linear would
+    go through MKL, which repacks W on every call. For one step's linear layers at 248 rows (62
+    sentences x 4 beams) that was 18% faster with 2 threads on the AVX2 CPU of BENCHMARKS.md (no
+    faster with 1), and 53 to 64 GFLOP/s became 66 to 71 for the encoder's at 1984 tokens (1
+    thread), with the same float32 arithmetic up to summation order. Elsewhere (CUDA, autocast, no
+    oneDNN) it is F.linear.
     """
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
-            and _onednn_linear_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(rows, 1))
+    if packed is not None or packs_for_onednn(weight):
+        packed = pack_for_onednn(weight, rows) if packed is None else packed
         attribute, scalars = ("relu", [None]) if relu else ("none", [])
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, attribute, scalars, "")
     if relu:
@@ -369,29 +395,61 @@ def step_linear(weight: Tensor, bias: Tensor | None, rows: int, relu: bool = Fal
     return lambda x: F.linear(x, weight, bias)
 
 
+class PackedWeights:
+    """A model's weights in oneDNN's layout for inference on the CPU, packed once and reused by every
+    search and worker thread until they change.
+
+    A weight is repacked when a parameter it is made of is another tensor or has been updated in
+    place (an optimizer step, load_state_dict), which moves the tensor's version. Packing the 37
+    step weights of bench/decode_cpu.py's model took 18 ms a batch.
+    """
+
+    ROWS = 256  # the row-count hint every weight is packed for
+
+    def __init__(self) -> None:
+        self._packed: dict[str, tuple[tuple[tuple[int, int, int], ...], Tensor]] = {}
+
+    def linear(self, name: str, parts: Sequence[nn.Module], relu: bool = False) -> Callable[[Tensor], Tensor]:
+        """The maps `parts` (modules with a weight and maybe a bias) stacked along their outputs, as
+        one step_linear (Q, K and V: one product); `name` identifies the stack in this model."""
+        weights = [part.weight for part in parts]
+        biases = [getattr(part, "bias", None) for part in parts]
+        bias = None if biases[0] is None else biases[0] if len(parts) == 1 else torch.cat(biases)
+
+        def stacked() -> Tensor:
+            return weights[0] if len(parts) == 1 else torch.cat(weights)
+
+        if not packs_for_onednn(weights[0]):
+            return step_linear(stacked(), bias, self.ROWS, relu)
+        version = tuple((id(weight), weight.data_ptr(), weight._version) for weight in weights)
+        entry = self._packed.get(name)
+        if entry is None or entry[0] != version:  # two threads may both pack: either result is the same
+            entry = self._packed[name] = (version, pack_for_onednn(stacked(), self.ROWS))
+        return step_linear(weights[0], bias, self.ROWS, relu, packed=entry[1])
+
+
 @dataclass(frozen=True)
 class StepLinears:
-    """A decoder layer's linear maps as the cached step applies them (`step_linear`), made once per search."""
+    """A layer's linear maps as inference applies them (`step_linear`, weights from `PackedWeights`):
+    the cached decoder step, and the encoder without gradients on the CPU."""
 
     self_qkv: Callable[[Tensor], Tensor]  # Q, K and V stacked (MultiHeadAttention.fused_self_weights)
     self_output: Callable[[Tensor], Tensor]
-    cross_query: Callable[[Tensor], Tensor]
-    cross_output: Callable[[Tensor], Tensor]
     feed_forward_inner: Callable[[Tensor], Tensor]  # with the ReLU of Eq. 2
     feed_forward_outer: Callable[[Tensor], Tensor]
+    cross_query: Callable[[Tensor], Tensor] | None = None  # decoder layers only
+    cross_output: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
-    def of(cls, layer: DecoderLayer, rows: int) -> StepLinears:
-        def linear(module: nn.Linear, relu: bool = False) -> Callable[[Tensor], Tensor]:
-            return step_linear(module.weight, module.bias, rows, relu)
-
+    def of(cls, layer: DecoderLayer, name: str, packed: PackedWeights) -> StepLinears:
+        attention, cross, feed_forward = layer.self_attention, layer.cross_attention, layer.feed_forward
         return cls(
-            self_qkv=step_linear(*layer.self_attention.fused_self_weights(), rows),
-            self_output=linear(layer.self_attention.output),
-            cross_query=linear(layer.cross_attention.query),
-            cross_output=linear(layer.cross_attention.output),
-            feed_forward_inner=linear(layer.feed_forward.inner, relu=True),
-            feed_forward_outer=linear(layer.feed_forward.outer),
+            self_qkv=packed.linear(f"{name}.qkv", [attention.query, attention.key, attention.value]),
+            self_output=packed.linear(f"{name}.self_output", [attention.output]),
+            cross_query=packed.linear(f"{name}.cross_query", [cross.query]),
+            cross_output=packed.linear(f"{name}.cross_output", [cross.output]),
+            feed_forward_inner=packed.linear(f"{name}.inner", [feed_forward.inner], relu=True),
+            feed_forward_outer=packed.linear(f"{name}.outer", [feed_forward.outer]),
         )
 
 
@@ -505,6 +563,7 @@ class Transformer(nn.Module):
         self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
         self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
         self._init_weights()
+        self.packed_weights = PackedWeights()  # for inference on the CPU; not part of the state dict
 
     def _init_weights(self) -> None:
         # The paper gives no initialisation; these are tensor2tensor's and fairseq's choices.
@@ -535,9 +594,21 @@ class Transformer(nn.Module):
         src_pad = src.eq(self.config.pad_id)
         src_mask = key_padding_mask(src_pad)
         x = self.embed(src)
-        for layer in self.encoder:
-            x = layer(x, src_mask)
+        # Without gradients (decoding, validation) on the CPU the linear maps use packed weights.
+        inference = not torch.is_grad_enabled() and packs_for_onednn(self.embedding.weight)
+        for index, layer in enumerate(self.encoder):
+            x = layer(x, src_mask, self._encoder_linears(index) if inference else None)
         return x, src_pad
+
+    def _encoder_linears(self, index: int) -> StepLinears:
+        layer, name, packed = self.encoder[index], f"encoder.{index}", self.packed_weights
+        attention, feed_forward = layer.self_attention, layer.feed_forward
+        return StepLinears(
+            self_qkv=packed.linear(f"{name}.qkv", [attention.query, attention.key, attention.value]),
+            self_output=packed.linear(f"{name}.self_output", [attention.output]),
+            feed_forward_inner=packed.linear(f"{name}.inner", [feed_forward.inner], relu=True),
+            feed_forward_outer=packed.linear(f"{name}.outer", [feed_forward.outer]),
+        )
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor) -> Tensor:
         """tgt_in (batch, tgt_len) -> hidden (batch, tgt_len, d_model); `project` turns it into logits."""
@@ -591,8 +662,9 @@ class Transformer(nn.Module):
             rows=rows,
             src_pad=src_pad,
             group=group,
-            linears=[StepLinears.of(layer, rows) for layer in self.decoder],
-            project=step_linear(self.embedding.weight, None, rows),
+            linears=[StepLinears.of(layer, f"decoder.{index}", self.packed_weights)
+                     for index, layer in enumerate(self.decoder)],
+            project=self.packed_weights.linear("project", [self.embedding]),
         )
 
     def decode_step(self, tokens: Tensor, position: int, cache: DecoderCache) -> Tensor:
