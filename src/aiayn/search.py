@@ -426,7 +426,7 @@ def search_batches(
     CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
     the threads run on separate cores. A search step is hundreds of small operators, which one
     thread runs with less overhead than two sharing each operator: on 2 cores, 2 workers of 1
-    thread each decode 1.1 to 1.2 times as many tokens per second as 1 worker of 2 threads (BENCHMARKS.md).
+    thread each decode 1.07 to 1.23 times as many tokens per second as 1 worker of 2 threads (BENCHMARKS.md).
     on_done(sentences) is called as each batch finishes (from the calling thread).
     Under inference_mode, with bf16 autocast on CUDA.
     """
