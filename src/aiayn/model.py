@@ -441,15 +441,16 @@ class StepLinears:
     cross_output: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
-    def of(cls, layer: DecoderLayer, name: str, packed: PackedWeights) -> StepLinears:
-        attention, cross, feed_forward = layer.self_attention, layer.cross_attention, layer.feed_forward
+    def of(cls, layer: EncoderLayer | DecoderLayer, name: str, packed: PackedWeights) -> StepLinears:
+        attention, feed_forward = layer.self_attention, layer.feed_forward
+        cross = getattr(layer, "cross_attention", None)
         return cls(
             self_qkv=packed.linear(f"{name}.qkv", [attention.query, attention.key, attention.value]),
             self_output=packed.linear(f"{name}.self_output", [attention.output]),
-            cross_query=packed.linear(f"{name}.cross_query", [cross.query]),
-            cross_output=packed.linear(f"{name}.cross_output", [cross.output]),
             feed_forward_inner=packed.linear(f"{name}.inner", [feed_forward.inner], relu=True),
             feed_forward_outer=packed.linear(f"{name}.outer", [feed_forward.outer]),
+            cross_query=None if cross is None else packed.linear(f"{name}.cross_query", [cross.query]),
+            cross_output=None if cross is None else packed.linear(f"{name}.cross_output", [cross.output]),
         )
 
 
@@ -597,18 +598,9 @@ class Transformer(nn.Module):
         # Without gradients (decoding, validation) on the CPU the linear maps use packed weights.
         inference = not torch.is_grad_enabled() and packs_for_onednn(self.embedding.weight)
         for index, layer in enumerate(self.encoder):
-            x = layer(x, src_mask, self._encoder_linears(index) if inference else None)
+            linears = StepLinears.of(layer, f"encoder.{index}", self.packed_weights) if inference else None
+            x = layer(x, src_mask, linears)
         return x, src_pad
-
-    def _encoder_linears(self, index: int) -> StepLinears:
-        layer, name, packed = self.encoder[index], f"encoder.{index}", self.packed_weights
-        attention, feed_forward = layer.self_attention, layer.feed_forward
-        return StepLinears(
-            self_qkv=packed.linear(f"{name}.qkv", [attention.query, attention.key, attention.value]),
-            self_output=packed.linear(f"{name}.self_output", [attention.output]),
-            feed_forward_inner=packed.linear(f"{name}.inner", [feed_forward.inner], relu=True),
-            feed_forward_outer=packed.linear(f"{name}.outer", [feed_forward.outer]),
-        )
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_pad: Tensor) -> Tensor:
         """tgt_in (batch, tgt_len) -> hidden (batch, tgt_len, d_model); `project` turns it into logits."""
