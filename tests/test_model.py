@@ -253,7 +253,7 @@ def test_decode_step_reproduces_full_decode_logits_at_every_position(dtype, tole
 def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, with_bias):
     torch.manual_seed(rows)
     weight, bias = torch.randn(48, 32), torch.randn(48) if with_bias else None
-    project = step_linear(weight, bias, rows=8, relu=relu)  # prepared for 8 rows, used with others
+    project = step_linear(weight, bias, relu=relu)  # packed for 256 rows, used with others
     x = torch.randn(rows, 1, 32)
     expected = F.linear(x, weight, bias)
     with torch.inference_mode():

@@ -222,9 +222,9 @@ def test_first_differing_positions_follow_the_shared_tokens_of_a_sentence():
     keep_rows = torch.tensor([1, 1, 3, 2])
     # Row 0 takes row 1's hypothesis: tokens 0 and 1 agree, so positions 0..2 (BOS, 5, 6) are shared.
     # Row 1 keeps its own (nothing to copy: filled = 4). Rows 2 and 3 swap: they differ at token 0.
-    assert first_differing_positions(tokens, keep_rows, 3, 2, None).tolist() == [3, 4, 1, 1]
+    assert first_differing_positions(tokens, tokens[keep_rows], 3, 2, None).tolist() == [3, 4, 1, 1]
     # The first sentence ends and the second moves into its rows: nothing of theirs is shared.
-    assert first_differing_positions(tokens, keep_rows[2:], 3, 2, torch.tensor([1])).tolist() == [0, 0]
+    assert first_differing_positions(tokens, tokens[keep_rows[2:]], 3, 2, torch.tensor([1])).tolist() == [0, 0]
 
 
 class FullCopyTransformer(Transformer):

@@ -131,8 +131,8 @@ class MultiHeadAttention(nn.Module):
 
     def fused_self_weights(self) -> tuple[Tensor, Tensor]:
         """The Q, K and V weights and biases stacked for one matrix multiply."""
-        return (torch.cat([self.query.weight, self.key.weight, self.value.weight]),
-                torch.cat([self.query.bias, self.key.bias, self.value.bias]))
+        parts = (self.query, self.key, self.value)
+        return stacked([part.weight for part in parts]), stacked([part.bias for part in parts])
 
     def _self_projections(
         self, x: Tensor, project: Callable[[Tensor], Tensor] | None = None
@@ -366,17 +366,23 @@ def packs_for_onednn(weight: Tensor) -> bool:
         and _onednn_linear_available()
 
 
-def pack_for_onednn(weight: Tensor, rows: int) -> Tensor:
-    """W reordered into oneDNN's blocked layout for products with `rows`-row inputs (a hint: speeds at
-    62 to 420 rows did not depend on it on BENCHMARKS.md's CPU)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(rows, 1))
+def pack_for_onednn(weight: Tensor) -> Tensor:
+    """W reordered into oneDNN's blocked layout. The reorder takes the expected row count as a hint;
+    speeds at 62 to 420 rows did not depend on it on BENCHMARKS.md's CPU, so every weight is packed
+    for 256."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
+
+
+def stacked(tensors: Sequence[Tensor]) -> Tensor:
+    """Weights (or biases) of linear maps stacked along their outputs, for one matrix multiply."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
 
 
 def step_linear(
-    weight: Tensor, bias: Tensor | None, rows: int, relu: bool = False, packed: Tensor | None = None,
+    weight: Tensor, bias: Tensor | None, relu: bool = False, packed: Tensor | None = None,
 ) -> Callable[[Tensor], Tensor]:
-    """x -> x W^T + b (then ReLU if relu) for inference: the cached decoder step applies it to `rows`-row
-    inputs once per position of a search, the encoder to a batch's tokens.
+    """x -> x W^T + b (then ReLU if relu) for inference: the cached decoder step applies it to its rows
+    once per position of a search, the encoder to a batch's tokens.
 
     On the CPU in float32 (where torch has oneDNN) W is reordered into oneDNN's blocked layout (or
     `packed` is that already) and each call multiplies by it with oneDNN, ReLU fused: F.linear would
@@ -387,7 +393,7 @@ def step_linear(
     oneDNN) it is F.linear.
     """
     if packed is not None or packs_for_onednn(weight):
-        packed = pack_for_onednn(weight, rows) if packed is None else packed
+        packed = pack_for_onednn(weight) if packed is None else packed
         attribute, scalars = ("relu", [None]) if relu else ("none", [])
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, attribute, scalars, "")
     if relu:
@@ -404,8 +410,6 @@ class PackedWeights:
     step weights of bench/decode_cpu.py's model took 18 ms a batch.
     """
 
-    ROWS = 256  # the row-count hint every weight is packed for
-
     def __init__(self) -> None:
         self._packed: dict[str, tuple[tuple[tuple[int, int, int], ...], Tensor]] = {}
 
@@ -413,19 +417,14 @@ class PackedWeights:
         """The maps `parts` (modules with a weight and maybe a bias) stacked along their outputs, as
         one step_linear (Q, K and V: one product); `name` identifies the stack in this model."""
         weights = [part.weight for part in parts]
-        biases = [getattr(part, "bias", None) for part in parts]
-        bias = None if biases[0] is None else biases[0] if len(parts) == 1 else torch.cat(biases)
-
-        def stacked() -> Tensor:
-            return weights[0] if len(parts) == 1 else torch.cat(weights)
-
+        bias = None if getattr(parts[0], "bias", None) is None else stacked([part.bias for part in parts])
         if not packs_for_onednn(weights[0]):
-            return step_linear(stacked(), bias, self.ROWS, relu)
+            return step_linear(stacked(weights), bias, relu)
         version = tuple((id(weight), weight.data_ptr(), weight._version) for weight in weights)
         entry = self._packed.get(name)
         if entry is None or entry[0] != version:  # two threads may both pack: either result is the same
-            entry = self._packed[name] = (version, pack_for_onednn(stacked(), self.ROWS))
-        return step_linear(weights[0], bias, self.ROWS, relu, packed=entry[1])
+            entry = self._packed[name] = (version, pack_for_onednn(stacked(weights)))
+        return step_linear(weights[0], bias, relu, packed=entry[1])
 
 
 @dataclass(frozen=True)

@@ -316,15 +316,16 @@ def beam_search(
             keep_rows = keep_rows[kept]
             new_tokens = new_tokens[kept]
         keep_rows = keep_rows.reshape(-1)
+        kept_tokens = live_tokens[keep_rows]
         if step == 0:
             # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
             cache = model.reorder_cache(cache, keep_rows // beam, sources=kept, filled=1, group=beam)
         else:
             # Only the positions written so far are copied, and of those only the ones where a row's
             # new hypothesis differs from the one it replaces; kept (not None) says which sentences stay.
-            copy_from = first_differing_positions(live_tokens, keep_rows, step, beam, kept)
+            copy_from = first_differing_positions(live_tokens, kept_tokens, step, beam, kept)
             cache = model.reorder_cache(cache, keep_rows, sources=kept, filled=step + 1, copy_from=copy_from)
-        live_tokens = live_tokens[keep_rows]
+        live_tokens = kept_tokens
         live_tokens[:, step] = new_tokens.reshape(-1)
         last_tokens = live_tokens[:, step]
     return results
@@ -340,19 +341,22 @@ def surviving_order(done: Tensor) -> Tensor:
     return order
 
 
-def first_differing_positions(tokens: Tensor, keep_rows: Tensor, step: int, beam: int, kept: Tensor | None) -> Tensor:
-    """The first decoder position at which new row i (old row keep_rows[i]'s hypothesis) may have
-    other self-attention keys and values than old row i, whose cache it takes over.
+def first_differing_positions(
+    tokens: Tensor, new_tokens: Tensor, step: int, beam: int, kept: Tensor | None,
+) -> Tensor:
+    """The first decoder position at which new row i (hypothesis new_tokens[i]) may have other
+    self-attention keys and values than old row i (hypothesis tokens[i]), whose cache it takes over.
 
-    tokens (old rows, width) holds each hypothesis's tokens of steps 0 .. step - 1; decoder position
+    tokens (old rows, width) and new_tokens (new rows, width) hold each hypothesis's tokens of steps
+    0 .. step - 1 (beam search: new_tokens are the old rows that survive); decoder position
     p reads the tokens before it (BOS, then tokens[:p]). Two hypotheses of one sentence whose first
     k tokens agree descend from one hypothesis of length k, whose keys and values at positions
     0 .. k were computed once and copied, so those positions need no copy (on bench/decode_cpu.py
     that is an eighth of what copying the whole rows moved). A row that takes over another
     sentence's row starts at 0.
     """
-    rows = keep_rows.shape[0]
-    differs = tokens[:rows, :step].ne(tokens.index_select(0, keep_rows)[:, :step])  # (rows, step)
+    rows = new_tokens.shape[0]
+    differs = tokens[:rows, :step].ne(new_tokens[:, :step])  # (rows, step)
     first = torch.where(differs.any(dim=1), differs.int().argmax(dim=1), step) + 1
     if kept is not None:  # new row i is a row of sentence kept[i // beam]; old row i was of sentence i // beam
         same_sentence = kept.repeat_interleave(beam).eq(torch.arange(rows, device=kept.device) // beam)
