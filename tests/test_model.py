@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from aiayn.errors import UserError
 from aiayn.model import (
-    ModelConfig, PackedWeights, Transformer, _few_query_attention, key_padding_bias, sinusoid_table, step_linear,
+    ModelConfig, PackedWeights, Transformer, _few_query_attention, _onednn_linear_available, key_padding_bias,
+    sinusoid_table, step_linear,
 )
 from aiayn.params import count_parameters, main as params_main
 
@@ -263,14 +264,40 @@ def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, 
 
 
 def test_encoder_without_gradients_uses_packed_weights_and_gives_the_same_memory():
-    model = tiny_model()
+    model = tiny_model().float()  # packing is for float32
     src = tokens(3, 7, seed=1)
     src[1, 4:] = PAD
     expected, _ = model.encode(src)  # gradients on: the modules' own linear maps
+    assert not model.packed_weights._packed
     with torch.inference_mode():
         memory, src_pad = model.encode(src)
+    if _onednn_linear_available():
+        assert "encoder.0.qkv" in model.packed_weights._packed
     torch.testing.assert_close(memory, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(src_pad, src.eq(PAD))
+
+
+def test_encoder_in_training_mode_keeps_its_dropout_without_gradients():
+    model = tiny_model(dropout=0.5).float().train()
+    src = tokens(2, 6, seed=2)
+    with torch.no_grad():
+        first, _ = model.encode(src)
+        second, _ = model.encode(src)
+    assert not model.packed_weights._packed  # the modules' path, dropout and all
+    assert not torch.allclose(first, second)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_step_linear_adds_a_residual_with_the_bits_of_a_separate_sum(rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(32, 24), torch.randn(32)
+    x, residual = torch.randn(rows, 1, 24), torch.randn(rows, 1, 32)
+    for dtype in (torch.float32, torch.float64):  # oneDNN's fused sum, and F.linear's plain one
+        linear = step_linear(weight.to(dtype), bias.to(dtype))
+        with torch.inference_mode():
+            fused, alone = linear(x.to(dtype), residual.to(dtype)), linear(x.to(dtype))
+        assert torch.equal(fused, alone + residual.to(dtype))
+        torch.testing.assert_close(alone, F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype)), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_weights_are_reused_until_a_weight_changes_in_place():

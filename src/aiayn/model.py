@@ -300,10 +300,12 @@ class EncoderLayer(nn.Module):
         if linears is None:
             x = self.self_attention_norm(x + self.dropout(self.self_attention(x, x, src_mask)))
             return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
-        # Inference with packed weights (Transformer.encode): the same maps, the same order.
-        attended = self.self_attention(x, x, src_mask, project=linears.self_qkv, output=linears.self_output)
-        x = self.self_attention_norm(x + self.dropout(attended))
-        return self.feed_forward_norm(x + self.dropout(linears.feed_forward_outer(linears.feed_forward_inner(x))))
+        # Inference with packed weights (Transformer.encode, in eval mode: no dropout): the same maps in
+        # the same order, each residual sum fused into the linear map before it.
+        residual = x
+        x = self.self_attention_norm(self.self_attention(
+            x, x, src_mask, project=linears.self_qkv, output=lambda heads: linears.self_output(heads, residual)))
+        return self.feed_forward_norm(linears.feed_forward_outer(linears.feed_forward_inner(x), x))
 
 
 class DecoderLayer(nn.Module):
@@ -331,6 +333,7 @@ class DecoderLayer(nn.Module):
 
         rows = sources * cache.group: the `group` rows of one source (the beams of a sentence) share
         that source's encoder-decoder keys and values, so their queries attend to them together.
+        Inference only: no dropout, and each residual sum is fused into the linear map before it.
         """
         attention = self.self_attention
         linears = cache.linears[layer]
@@ -340,18 +343,21 @@ class DecoderLayer(nn.Module):
         cache.value_buffer[layer, position, : cache.rows] = value[:, :, 0]
         keys, values = cache.layer_keys_values(layer, position + 1)  # (rows, heads, position + 1, d)
         # One query over the positions so far: no causal mask is needed.
-        attended = attention.attend(queries.to(keys.dtype), keys, values, decoding=True, output=linears.self_output)
-        x = self.self_attention_norm(x + self.dropout(attended))
+        residual = x
+        x = self.self_attention_norm(attention.attend(
+            queries.to(keys.dtype), keys, values, decoding=True,
+            output=lambda heads: linears.self_output(heads, residual)))
 
         attention = self.cross_attention
         memory_keys, memory_values = cache.memory_keys[layer], cache.memory_values[layer]
         # (rows, 1, d) -> (sources, group, d): a source's rows are its queries, so the encoder-decoder
         # keys and values are read once per source, not copied to every beam.
-        queries = attention.queries(x.view(memory_keys.shape[0], cache.group, -1), linears.cross_query)
-        attended = attention.attend(queries.to(memory_keys.dtype), memory_keys, memory_values, src_mask,
-                                    decoding=True, output=linears.cross_output).view_as(x)
-        x = self.cross_attention_norm(x + self.dropout(attended))
-        return self.feed_forward_norm(x + self.dropout(linears.feed_forward_outer(linears.feed_forward_inner(x))))
+        grouped = x.view(memory_keys.shape[0], cache.group, -1)
+        queries = attention.queries(grouped, linears.cross_query)
+        x = self.cross_attention_norm(attention.attend(
+            queries.to(memory_keys.dtype), memory_keys, memory_values, src_mask, decoding=True,
+            output=lambda heads: linears.cross_output(heads, grouped)).view_as(x))
+        return self.feed_forward_norm(linears.feed_forward_outer(linears.feed_forward_inner(x), x))
 
 
 def _onednn_linear_available() -> bool:
@@ -380,25 +386,37 @@ def stacked(tensors: Sequence[Tensor]) -> Tensor:
 
 def step_linear(
     weight: Tensor, bias: Tensor | None, relu: bool = False, packed: Tensor | None = None,
-) -> Callable[[Tensor], Tensor]:
+) -> Callable[..., Tensor]:
     """x -> x W^T + b (then ReLU if relu) for inference: the cached decoder step applies it to its rows
-    once per position of a search, the encoder to a batch's tokens.
+    once per position of a search, the encoder to a batch's tokens. Called as f(x, residual), it
+    returns x W^T + b + residual (a post-norm sub-layer's residual sum; not with relu).
 
     On the CPU in float32 (where torch has oneDNN) W is reordered into oneDNN's blocked layout (or
-    `packed` is that already) and each call multiplies by it with oneDNN, ReLU fused: F.linear would
-    go through MKL, which repacks W on every call. For one step's linear layers at 248 rows (62
-    sentences x 4 beams) that was 18% faster with 2 threads on the AVX2 CPU of BENCHMARKS.md (no
-    faster with 1), and 53 to 64 GFLOP/s became 66 to 71 for the encoder's at 1984 tokens (1
-    thread), with the same float32 arithmetic up to summation order. Elsewhere (CUDA, autocast, no
+    `packed` is that already) and each call multiplies by it with oneDNN, ReLU or the residual sum
+    fused: F.linear would go through MKL, which repacks W on every call. For one step's linear layers
+    at 248 rows (62 sentences x 4 beams) that was 18% faster with 2 threads on the AVX2 CPU of
+    BENCHMARKS.md (no faster with 1), and 53 to 64 GFLOP/s became 66 to 71 for the encoder's at 1984
+    tokens (1 thread), with the same float32 arithmetic up to summation order. The fused sum gives
+    the bits of the separate one and saves its pass over the rows. Elsewhere (CUDA, autocast, no
     oneDNN) it is F.linear.
     """
     if packed is not None or packs_for_onednn(weight):
         packed = pack_for_onednn(weight) if packed is None else packed
-        attribute, scalars = ("relu", [None]) if relu else ("none", [])
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, attribute, scalars, "")
-    if relu:
-        return lambda x: F.relu(F.linear(x, weight, bias))
-    return lambda x: F.linear(x, weight, bias)
+        if relu:
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "relu", [None], "")
+
+        def onednn(x: Tensor, residual: Tensor | None = None) -> Tensor:
+            if residual is None:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+        return onednn
+
+    def linear(x: Tensor, residual: Tensor | None = None) -> Tensor:
+        y = F.linear(x, weight, bias)
+        return y if residual is None else y + residual
+
+    return (lambda x: F.relu(linear(x))) if relu else linear
 
 
 class PackedWeights:
@@ -433,11 +451,11 @@ class StepLinears:
     the cached decoder step, and the encoder without gradients on the CPU."""
 
     self_qkv: Callable[[Tensor], Tensor]  # Q, K and V stacked (MultiHeadAttention.fused_self_weights)
-    self_output: Callable[[Tensor], Tensor]
+    self_output: Callable[..., Tensor]  # (x) or (x, residual), as the maps of step_linear
     feed_forward_inner: Callable[[Tensor], Tensor]  # with the ReLU of Eq. 2
-    feed_forward_outer: Callable[[Tensor], Tensor]
+    feed_forward_outer: Callable[..., Tensor]
     cross_query: Callable[[Tensor], Tensor] | None = None  # decoder layers only
-    cross_output: Callable[[Tensor], Tensor] | None = None
+    cross_output: Callable[..., Tensor] | None = None
 
     @classmethod
     def of(cls, layer: EncoderLayer | DecoderLayer, name: str, packed: PackedWeights) -> StepLinears:
@@ -594,8 +612,8 @@ class Transformer(nn.Module):
         src_pad = src.eq(self.config.pad_id)
         src_mask = key_padding_mask(src_pad)
         x = self.embed(src)
-        # Without gradients (decoding, validation) on the CPU the linear maps use packed weights.
-        inference = not torch.is_grad_enabled() and packs_for_onednn(self.embedding.weight)
+        # Without gradients in eval mode (decoding, validation) on the CPU the linear maps use packed weights.
+        inference = not torch.is_grad_enabled() and not self.training and packs_for_onednn(self.embedding.weight)
         for index, layer in enumerate(self.encoder):
             linears = StepLinears.of(layer, f"encoder.{index}", self.packed_weights) if inference else None
             x = layer(x, src_mask, linears)
