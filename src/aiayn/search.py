@@ -270,8 +270,8 @@ def beam_search(
         is_eos = top_token.eq(EOS_ID)
 
         # Finish the EOS candidates among the top beam_size; merge with earlier ones, keep the best beam_size.
-        # On the CPU a step where nothing ends skips the merge (1% of a search there); elsewhere asking
-        # would cost a device synchronisation.
+        # On the CPU a step where nothing ends skips the merge (its concatenations and gathers were about
+        # 1% of a bench search's operator time); elsewhere asking would cost a device synchronisation.
         ends = is_eos[:, :beam] & top_log_probs[:, :beam].isfinite()
         if device.type != "cpu" or bool(ends.any()):
             end_log_probs = top_log_probs[:, :beam].masked_fill(~ends, -math.inf)
