@@ -301,10 +301,10 @@ class EncoderLayer(nn.Module):
             x = self.self_attention_norm(x + self.dropout(self.self_attention(x, x, src_mask)))
             return self.feed_forward_norm(x + self.dropout(self.feed_forward(x)))
         # Inference with packed weights (Transformer.encode, in eval mode: no dropout): the same maps in
-        # the same order, each residual sum fused into the linear map before it.
-        residual = x
-        x = self.self_attention_norm(self.self_attention(
-            x, x, src_mask, project=linears.self_qkv, output=lambda heads: linears.self_output(heads, residual)))
+        # the same order. The feed-forward's residual sum is fused into its second map; the attention's
+        # stays outside the module call, whose hooks (aiayn.attention) see the attention's own output.
+        x = self.self_attention_norm(
+            x + self.self_attention(x, x, src_mask, project=linears.self_qkv, output=linears.self_output))
         return self.feed_forward_norm(linears.feed_forward_outer(linears.feed_forward_inner(x), x))
 
 
