@@ -448,7 +448,7 @@ class PackedWeights:
 @dataclass(frozen=True)
 class StepLinears:
     """A layer's linear maps as inference applies them (`step_linear`, weights from `PackedWeights`):
-    the cached decoder step, and the encoder without gradients on the CPU."""
+    the cached decoder step, and the encoder without gradients in eval mode on the CPU."""
 
     self_qkv: Callable[[Tensor], Tensor]  # Q, K and V stacked (MultiHeadAttention.fused_self_weights)
     self_output: Callable[..., Tensor]  # (x) or (x, residual), as the maps of step_linear
