@@ -262,7 +262,6 @@ def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, 
     torch.testing.assert_close(result, expected.relu() if relu else expected, rtol=1e-5, atol=1e-5)
 
 
-
 def test_encoder_without_gradients_uses_packed_weights_and_gives_the_same_memory():
     model = tiny_model().float()  # packing is for float32
     src = tokens(3, 7, seed=1)
@@ -316,6 +315,7 @@ def test_packed_weights_are_reused_until_a_weight_changes_in_place():
         second = packed.linear("layer", [layer])(x)
     torch.testing.assert_close(first, F.linear(x, layer.weight / 2.0, layer.bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
 
 @pytest.mark.parametrize("queries", [1, 4])
 @pytest.mark.parametrize("keys", [9, 60])  # 1 query over 9 keys of size 8 takes the products-and-sums path

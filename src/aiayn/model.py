@@ -431,7 +431,7 @@ class PackedWeights:
     def __init__(self) -> None:
         self._packed: dict[str, tuple[tuple[tuple[int, int, int], ...], Tensor]] = {}
 
-    def linear(self, name: str, parts: Sequence[nn.Module], relu: bool = False) -> Callable[[Tensor], Tensor]:
+    def linear(self, name: str, parts: Sequence[nn.Module], relu: bool = False) -> Callable[..., Tensor]:
         """The maps `parts` (modules with a weight and maybe a bias) stacked along their outputs, as
         one step_linear (Q, K and V: one product); `name` identifies the stack in this model."""
         weights = [part.weight for part in parts]
