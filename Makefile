@@ -6,7 +6,7 @@ CORES ?= all
 # the rules call `aiayn`, installed into the virtual environment
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install demo test paper-dry-run clean
+.PHONY: install demo test paper-dry-run gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,14 @@ test: install
 
 paper-dry-run: install
 	$(BIN)/snakemake -n --cores $(CORES) --configfile config/wmt14_en_de.yaml
+
+# The wheels bench/gpu.sh installs on a lent GPU (README, "GPU check"): what its image lacks, at the
+# lock's versions, into the git-ignored .whl/ that `carry` takes along. GPU_PY=3.11 makes a set for this
+# machine's Python, to try the same install here.
+GPU_PY ?= 3.12
+WHEELS ?= .whl
+gpu-wheels: install
+	$(BIN)/python bench/gpu_wheels.py --python-version $(GPU_PY) --dest $(WHEELS)
 
 clean:
 	rm -rf results/demo .snakemake

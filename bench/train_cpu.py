@@ -104,11 +104,11 @@ def seconds_of(work, device: str) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def measure(build, config, batches, device: str, precision: str, warmup: int, compile_model: bool = False) -> dict:
+def measure(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None) -> dict:
     torch.manual_seed(0)
     model, step = build(config, device)
-    if compile_model:
-        model.forward = torch.compile(model.forward)
+    if compile_backend:
+        model.forward = torch.compile(model.forward, backend=compile_backend)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True if device == "cuda" else None)
@@ -168,6 +168,16 @@ def matmul_rate(config: ModelConfig, tokens: int, device: str, precision: str, r
     return total_flops / total_seconds
 
 
+def describe(measured: dict, peak: float | None, project_steps: int) -> str:
+    """tokens/s and seconds a step; MFU when the device's peak is known; the hours for project_steps steps."""
+    text = f"{measured['tokens_per_second']:.0f} tok/s ({measured['step_seconds']:.3f} s/step)"
+    if peak:
+        text += f", MFU {measured['flops_per_second'] / peak:.1%}"
+    if project_steps:
+        text += f", {project_steps} steps = {project_steps * measured['step_seconds'] / 3600:.1f} h"
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="base")
@@ -179,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="also time our model under torch.compile")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend ('eager' only traces: a quick smoke test of the compiled path)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--project-steps", type=int, default=0,
                         help="also print the hours this many steps would take at the measured speed")
@@ -202,14 +214,11 @@ def main(argv=None) -> int:
     best = None
     for precision in precisions:
         ours = measure(build_ours, config, batches, args.device, precision, args.warmup)
-        line = f"{precision}: ours {ours['tokens_per_second']:.0f} tok/s ({ours['step_seconds']:.3f} s/step)"
-        if peak:
-            line += f", MFU {ours['flops_per_second'] / peak:.1%}"
-        if args.compile:
-            compiled = measure(build_ours, config, batches, args.device, precision, args.warmup, compile_model=True)
-            line += f"; compiled {compiled['tokens_per_second']:.0f} tok/s"
-            if peak:
-                line += f", MFU {compiled['flops_per_second'] / peak:.1%}"
+        line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
+        if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
+            print(line, flush=True)
+            compiled = measure(build_ours, config, batches, args.device, precision, args.warmup, args.compile_backend)
+            line = f"{precision}: ours compiled ({args.compile_backend}) {describe(compiled, peak, args.project_steps)}"
             if compiled["tokens_per_second"] > ours["tokens_per_second"]:
                 ours = compiled
         ratio = float("nan")
@@ -225,8 +234,6 @@ def main(argv=None) -> int:
                 3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)) / rate for src, tgt_in, _ in timed)
             line += (f"; the matmuls alone at the step's shapes run at {rate / 1e9:.0f} GFLOP/s, a step of nothing "
                      f"but them would take {floor:.2f} s: at most ratio {marian['step_seconds'] / floor:.2f}")
-        if args.project_steps:
-            line += f"; {args.project_steps} steps = {args.project_steps * ours['step_seconds'] / 3600:.1f} h"
         print(line, flush=True)
         if best is None or ours["tokens_per_second"] > best[0]:
             best = (ours["tokens_per_second"], ratio)

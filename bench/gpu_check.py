@@ -1,0 +1,152 @@
+"""The parts of bench/gpu.sh that need more than a command line.
+
+    matmul   the device's bf16 matrix-product ceiling (TFLOP/s)
+    summary  what the demo DAG left: where each run trained and decoded, the MLflow runs in the sqlite
+             store, then the report's tables
+    ddp      the same few training steps in 1 process and in N under torchrun (on one GPU they share it,
+             over gloo): each must see the same real tokens per optimizer step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def matmul(args: argparse.Namespace) -> int:
+    import torch
+
+    size = args.size
+    a = torch.randn(size, size, device=args.device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=args.device, dtype=torch.bfloat16)
+
+    def drain():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        a @ b
+    drain()
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        a @ b
+    drain()
+    seconds = time.perf_counter() - start
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"bf16 matmul ceiling: {args.repeats * 2 * size ** 3 / seconds / 1e12:.1f} TFLOP/s "
+          f"({size}x{size}x{size}, mean of {args.repeats}; {name}, torch {torch.__version__})")
+    return 0
+
+
+def summary(args: argparse.Namespace) -> int:
+    results = args.workdir / "results" / args.experiment
+    problems = []
+    print("runs (final.json):")
+    for final_path in sorted(results.glob("train/*/seed*/final.json")):
+        final = json.loads(final_path.read_text())
+        seconds = final["train_hours"] * 3600
+        print(f"  {final['preset']} seed {final['seed']}: {final['step']} steps on {final['device']}, "
+              f"{final['target_tokens'] / max(seconds, 1e-9):.0f} target tokens/s over {seconds:.0f} s, "
+              f"dev ppl {final.get('dev_ppl', float('nan')):.2f}, mlflow run {final.get('mlflow_run_id')}")
+        if (final["device"] == "cpu") != (args.expect_device == "cpu"):
+            problems.append(f"{final_path}: trained on {final['device']}, not {args.expect_device}")
+    print("decoding (last line of each log):")
+    for log in sorted(results.glob("logs/decode/*/seed*/*.log")):
+        lines = [line for line in log.read_text().splitlines() if line.startswith("decoded")]
+        print(f"  {log.relative_to(results / 'logs' / 'decode')}: {lines[-1] if lines else '(no decoded line)'}")
+        if lines and f" on {args.expect_device}" not in lines[-1]:
+            problems.append(f"{log}: did not decode on {args.expect_device}")
+    database = args.workdir / "results" / "mlflow.db"
+    if database.exists():
+        with sqlite3.connect(database) as connection:
+            rows = connection.execute(
+                "SELECT e.name, r.status, COUNT(*), (SELECT COUNT(*) FROM metrics) FROM runs r "
+                "JOIN experiments e ON e.experiment_id = r.experiment_id GROUP BY e.name, r.status").fetchall()
+        for experiment, status, count, metrics in rows:
+            print(f"mlflow ({database.name}): experiment {experiment}: {count} runs {status}, {metrics} metric rows")
+    else:
+        problems.append(f"{database}: no MLflow store")
+    for table in ("table2", "table3"):
+        path = results / "report" / f"{table}.md"
+        print(f"== {path.relative_to(args.workdir)}")
+        if path.exists():
+            print(path.read_text().rstrip())
+        else:
+            problems.append(f"{path}: missing")
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def ddp(args: argparse.Namespace) -> int:
+    from aiayn.config import load_config, resolve_preset, to_json
+
+    workdir = args.workdir
+    config = load_config([workdir / path for path in args.configs])
+    results = workdir / "results" / config["experiment"]
+    preset = resolve_preset(config, args.preset)
+    preset.update(steps=args.steps, checkpoint_steps=args.steps, keep_checkpoints=1)
+    train = dict(config["train"])
+    # 1 process accumulates N micro-batches a step, N processes one each: the same batches either way
+    train.update(tokens_per_step=args.procs * train["device_tokens"], dev_every=0, log_every=args.steps)
+    common = ["--preset-json", to_json(preset), "--train-json", to_json(train), "--seed", "1",
+              "--train-data", str(results / "bin" / "train"), "--spm-model", str(results / "bpe" / "spm.model"),
+              "--no-tracking", "--device", args.device, "--threads", str(args.threads)]
+    launchers = {1: [sys.executable, "-m", "aiayn.train"],
+                 args.procs: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={args.procs}", "-m", "aiayn.train"]}
+    per_step = {}
+    for world, launcher in launchers.items():
+        run_dir = workdir / "ddp" / f"world{world}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = run_dir / "train.log"
+        start = time.perf_counter()
+        with log.open("w") as handle:
+            status = subprocess.run([*launcher, *common, "--run-dir", str(run_dir)], stdout=handle,
+                                    stderr=subprocess.STDOUT).returncode
+        if status != 0:
+            print(f"{world} process(es): exit status {status}; the end of {log}:\n{log.read_text()[-3000:]}")
+            return 1
+        final = json.loads((run_dir / "final.json").read_text())
+        steps = final["step"]
+        source = final.get("real_src_tokens_per_step", final["source_tokens"] / steps)
+        target = final.get("real_tgt_tokens_per_step", final["target_tokens"] / steps)
+        per_step[world] = (source, target)
+        print(f"{final['world_size']} process(es) on {final['device']}: {steps} steps, real tokens per step "
+              f"{source:.1f} source + {target:.1f} target, {final['train_hours'] * 3600:.1f} s training "
+              f"({time.perf_counter() - start:.0f} s with start-up)", flush=True)
+    same = per_step[1] == per_step[args.procs]
+    print(f"DDP: {'the same' if same else 'DIFFERENT'} real tokens per step in 1 and {args.procs} processes")
+    return 0 if same else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("matmul")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=50)
+    p = commands.add_parser("summary")
+    p.add_argument("--workdir", type=Path, required=True, help="where snakemake ran")
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--expect-device", choices=["cpu", "cuda"], required=True)
+    p = commands.add_parser("ddp")
+    p.add_argument("--workdir", type=Path, required=True, help="where snakemake ran (its bin/ and bpe/ are used)")
+    p.add_argument("--configs", nargs="+", required=True, help="config files, relative to --workdir, in order")
+    p.add_argument("--preset", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    p.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    return {"matmul": matmul, "summary": summary, "ddp": ddp}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
