@@ -13,7 +13,8 @@
 #   4. training throughput of base and big on 25000-token steps, eager then compiled: tokens/s, MFU and
 #      the projected hours for 100K (base) and 300K (big) steps
 #   5. beam-search decoding speed, newstest2014-shaped (3003 sentences), beam 4, bf16
-# Environment: PYTHON (default python3), WHEELS (default .whl), GPU_CHECK_WORK (default a new folder in /tmp).
+# Environment: PYTHON (default python3), WHEELS (default .whl), GPU_CHECK_WORK (default a new folder in /tmp),
+# GPU_CHECK_SECONDS (the whole run's limit; default 460 on a GPU, the parts' own limits on a CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -24,9 +25,9 @@ WORK=${GPU_CHECK_WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 failed=()
 
-part() {  # part NAME SECONDS COMMAND...: the command's slow steps run under `t`, within SECONDS in all
+part() {  # part NAME SECONDS COMMAND...: the command's slow steps run under `t`, within SECONDS and the run's limit
   local name=$1 start=$SECONDS status
-  PART_END=$((SECONDS + $2))
+  PART_END=$((SECONDS + $2 < RUN_END ? SECONDS + $2 : RUN_END))
   shift 2
   echo "== $name (at most $((PART_END - start)) s)"
   "$@"
@@ -66,21 +67,24 @@ if [ "$DEVICE" = cuda ]; then
   MATMUL=(--size 8192 --repeats 50)
   TRAIN=(--vocab 37000 --tokens 25000 --steps 5 --warmup 2 --precision bf16 --compile --no-peer)
   BASE=(--preset base) BIG=(--preset big) DECODE=()
-  T_DAG=210 T_DDP=75 T_TRAIN=70 T_DECODE=60
+  T_MATMUL=30 T_DAG=200 T_DDP=60 T_TRAIN=60 T_DECODE=50
+  RUN_END=${GPU_CHECK_SECONDS:-460}  # counted from the start, the wheels included
   DDP_STEPS=20
 else  # the same commands at toy sizes; torch.compile traced only (its eager backend), not built
   CORES=2
   MATMUL=(--size 256 --repeats 3)
   TRAIN=(--vocab 500 --tokens 200 --steps 1 --warmup 1 --precision bf16 --compile --compile-backend eager --no-peer)
-  BASE=(--preset small) BIG=(--preset small) DECODE=(--sentences 12 --layers 1 --d-model 64 --d-ff 128 --heads 2 --vocab 500 --repeats 1)
-  T_DAG=300 T_DDP=120 T_TRAIN=60 T_DECODE=60
+  BASE=(--preset tiny) BIG=(--preset tiny) DECODE=(--sentences 12 --layers 1 --d-model 64 --d-ff 128 --heads 2 --vocab 500 --repeats 1)
+  T_MATMUL=120 T_DAG=600 T_DDP=180 T_TRAIN=120 T_DECODE=120  # guards against a hang on a shared CPU, not speeds
+  RUN_END=${GPU_CHECK_SECONDS:-1800}
   DDP_STEPS=3
   cat >"$DAG/config/gpu_check_cpu.yaml" <<'YAML'
 data: {demo: {seed: 3, train: 1200, dev: 30, test: 30}}
 bpe: {vocab_size: 300}
 binarize: {workers: 1}
-train: {tokens_per_step: 1000, device_tokens: 500, log_every: 5, dev_every: 5, threads: 1}
+train: {tokens_per_step: 1000, device_tokens: 500, log_every: 5, dev_every: 0, threads: 1}
 decode: {beam_size: 2, tokens_per_batch: 2000, max_len_b: 10}
+models: [gpu_base]
 presets:
   gpu_base: {steps: 6, warmup_steps: 3, checkpoint_steps: 2, n_layers: 1, d_model: 32, d_ff: 64, n_heads: 2}
 YAML
@@ -89,7 +93,7 @@ fi
 echo "gpu check: device $DEVICE, $("$PYTHON" -c 'import torch; print("torch", torch.__version__)'), work folder $WORK"
 [ "$DEVICE" = cuda ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; }
 
-part "1. bf16 matmul ceiling" 60 t "$PYTHON" bench/gpu_check.py matmul --device "$DEVICE" "${MATMUL[@]}"
+part "1. bf16 matmul ceiling" $T_MATMUL t "$PYTHON" bench/gpu_check.py matmul --device "$DEVICE" "${MATMUL[@]}"
 
 dag() {  # the demo DAG (or TARGETS of it); Snakemake's progress lines here, its whole log in $WORK/snakemake.log
   (cd "$DAG" && t "$PYTHON" -m snakemake "$@" --cores "$CORES" --scheduler greedy --configfile "${CONFIGS[@]:1}") 2>&1 |

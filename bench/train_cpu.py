@@ -32,6 +32,7 @@ PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
     "base": (6, 512, 2048, 8),
     "big": (6, 1024, 4096, 16),
     "small": (3, 256, 1024, 4),
+    "tiny": (1, 64, 128, 2),  # a smoke test of this script (bench/gpu.sh --device cpu)
 }
 
 
