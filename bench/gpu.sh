@@ -50,6 +50,13 @@ if ! "$PYTHON" -c "import snakemake, mlflow, sacremoses" 2>/dev/null; then
   export PYTHONPATH="$PYTHONPATH:$WORK/site"
   echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $WORK/site"
 fi
+# What parts 2 and 3 import, with the image's own versions of what the carried wheels share with it.
+"$PYTHON" - <<'PY' || echo "error: the pipeline's packages do not import here (parts 2 and 3 will fail)"
+import importlib.metadata as md
+import mlflow.store.tracking.sqlalchemy_store, sacremoses, snakemake  # noqa: F401
+print("imports ok:", ", ".join(f"{name} {md.version(name)}" for name in
+      ("snakemake", "mlflow-skinny", "sqlalchemy", "torch", "numpy", "pandas", "protobuf", "pyyaml", "sacrebleu")))
+PY
 # The rules call `aiayn`; without the package installed, a stand-in that runs its CLI.
 if ! command -v aiayn >/dev/null; then
   mkdir -p "$WORK/bin"
