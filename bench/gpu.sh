@@ -29,6 +29,11 @@ part() {  # part NAME SECONDS COMMAND...: the command's slow steps run under `t`
   local name=$1 start=$SECONDS status
   PART_END=$((SECONDS + $2 < RUN_END ? SECONDS + $2 : RUN_END))
   shift 2
+  if [ $PART_END -le $SECONDS ]; then
+    echo "== $name: skipped, the run's $RUN_END s are spent"
+    failed+=("$name: skipped")
+    return
+  fi
   echo "== $name (at most $((PART_END - start)) s)"
   "$@"
   status=$?
@@ -103,7 +108,7 @@ echo "gpu check: device $DEVICE, $("$PYTHON" -c 'import torch; print("torch", to
 part "1. bf16 matmul ceiling" $T_MATMUL t "$PYTHON" bench/gpu_check.py matmul --device "$DEVICE" "${MATMUL[@]}"
 
 dag() {  # the demo DAG (or TARGETS of it); Snakemake's progress lines here, its whole log in $WORK/snakemake.log
-  (cd "$DAG" && t "$PYTHON" -m snakemake "$@" --cores "$CORES" --scheduler greedy --configfile "${CONFIGS[@]:1}") 2>&1 |
+  (cd "$DAG" && t "$PYTHON" -m snakemake "$@" --cores "$CORES" --scheduler greedy --show-failed-logs --configfile "${CONFIGS[@]:1}") 2>&1 |
     tee "$WORK/snakemake.log" | { grep --line-buffered -E 'steps \([0-9]+%\) done|Error' || true; }
   local status=${PIPESTATUS[0]}
   [ "$status" -eq 0 ] || tail -n 60 "$WORK/snakemake.log"

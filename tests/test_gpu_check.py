@@ -14,6 +14,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_wheels  # noqa: E402
 
+pytestmark = pytest.mark.workflow
+
 PARTS = ["1. bf16 matmul ceiling", "2. demo DAG on cpu", "3. DDP", "4a. training throughput, base",
          "4b. training throughput, big", "5. beam-search decoding"]
 
@@ -26,9 +28,6 @@ def cpu_check(tmp_path_factory):
     result = subprocess.run(["bash", str(REPO / "bench" / "gpu.sh"), "--device", "cpu"], env=env,
                             capture_output=True, text=True, timeout=900)
     return result
-
-
-pytestmark = pytest.mark.workflow
 
 
 def test_every_part_runs_and_none_fails(cpu_check):
