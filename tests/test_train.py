@@ -269,3 +269,16 @@ def _train_command(prepared, run_dir, preset, section, *extra):
 def _run(command, **kwargs):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, **kwargs)
+
+
+def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(prepared, tmp_path):
+    from aiayn.checkpoint import last_checkpoints
+
+    preset = tiny_preset(steps=10_000, checkpoint_steps=3, keep_checkpoints=3, average_last=3, max_minutes=0.002)
+    summary = train(job(prepared, tmp_path / "run", **{k: v for k, v in preset.items() if k != "name"}))
+    assert summary["stopped_by"] == "max_minutes" and 0 < summary["step"] < 10_000
+    assert summary["planned_steps"] == 10_000 and summary["wall_hours"] * 60 >= 0.002
+    assert (tmp_path / "run" / "final.pt").exists()
+    window = [path.name for path in last_checkpoints(tmp_path / "run" / "checkpoints", 3)]
+    assert window[-1] == f"step_{summary['step']:08d}.pt"  # the last step is averaged, no safety file
+    assert not list((tmp_path / "run" / "checkpoints").glob("safety_*"))

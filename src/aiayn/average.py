@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -138,6 +139,9 @@ def main(argv=None):
     if args.last is not None and args.checkpoints:
         raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
     paths = last_checkpoints(args.checkpoint_dir, args.last) if args.last is not None else args.checkpoints
+    if args.last is not None and len(paths) < args.last:
+        print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "
+              "early, e.g. at train.max_minutes); averaging those", file=sys.stderr)
     model = average_checkpoints(paths)
     save_model(model, args.output)
     steps = ", ".join(str(step) for step in model["averaged_steps"])

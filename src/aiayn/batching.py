@@ -132,12 +132,15 @@ def step_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, tokens_per_st
     if n == 0:
         return []
     rng = np.random.default_rng([seed, epoch])
-    order = np.lexsort((rng.random(n), src_cost, tgt_cost, np.maximum(src_cost, tgt_cost)))
+    # by the longer side, then target, then source; ties in a seeded random order (a shuffle, then a stable sort)
+    key = (np.maximum(src_cost, tgt_cost) << 42) | (tgt_cost << 21) | src_cost
+    shuffled = rng.permutation(n)
+    order = shuffled[np.argsort(key[shuffled], kind="stable")]
     src_cost, tgt_cost = src_cost[order], tgt_cost[order]
     cuts = [0]
     start = 0
+    window = 1024
     while start < n:
-        window = 1024
         while True:
             end = min(n, start + window)
             rows = np.arange(1, end - start + 1)
@@ -147,8 +150,10 @@ def step_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, tokens_per_st
             if filled.any() or end == n:
                 break
             window *= 4
-        start = start + int(np.argmax(filled)) + 1 if filled.any() else n
+        rows = int(np.argmax(filled)) + 1 if filled.any() else n - start
+        start += rows
         cuts.append(start)
+        window = 2 * rows  # the next step is about as long: look that far first
     if len(cuts) > 2 and not _fills(src_cost[cuts[-2]:], tgt_cost[cuts[-2]:], tokens_per_step):
         del cuts[-2]  # the epoch's remainder is under the budget: it joins the step before it
     steps = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]

@@ -63,17 +63,19 @@ def save_model(obj: dict, path: str | os.PathLike) -> None:
 
 
 def last_checkpoints(checkpoint_dir: str | os.PathLike, k: int) -> list[Path]:
-    """The ``k`` window checkpoints ``step_*.pt`` of ``checkpoint_dir`` with the highest steps, oldest first."""
+    """The last ``k`` window checkpoints ``step_*.pt`` of ``checkpoint_dir`` that exist, oldest first.
+
+    Fewer than ``k`` when the run has fewer (it ended early, by ``train.max_minutes``); none is an error.
+    """
     checkpoint_dir = Path(checkpoint_dir)
     if k < 1:
         raise UserError(f"cannot average the last {k} checkpoints; K must be at least 1")
     if not checkpoint_dir.is_dir():
         raise UserError(f"{checkpoint_dir}: no such checkpoint directory (has training started?)")
     found = list_checkpoints(checkpoint_dir)
-    if len(found) < k:
+    if not found:
         raise UserError(
-            f"{checkpoint_dir}: {len(found)} checkpoints (step_*.pt) found but the last {k} are to be averaged; "
-            "train longer, save checkpoints more often, or lower the number averaged"
+            f"{checkpoint_dir}: no window checkpoints (step_*.pt) to average; has the training run finished?"
         )
     return [path for _, path in found[-k:]]
 

@@ -62,7 +62,9 @@ def collect_runs(presets: dict, results: str | Path, seeds: list[int] | None = N
                 "real_src_tokens_per_step": final.get("real_src_tokens_per_step", math.nan),
                 "real_tgt_tokens_per_step": final.get("real_tgt_tokens_per_step", math.nan), "dev_ppl": final.get("dev_ppl"),
                 "dev_bleu_tok": dev["bleu_tok"], "dev_sacrebleu": dev["sacrebleu"],
+                "dev_length_ratio": dev.get("length_ratio", math.nan),
                 "test_bleu_tok": test["bleu_tok"], "test_sacrebleu": test["sacrebleu"],
+                "test_length_ratio": test.get("length_ratio", math.nan),
                 "test_chrf": test["chrf"], "sacrebleu_signature": test["sacrebleu_signature"],
                 "paper_ppl_dev": paper.get("ppl_dev"), "paper_bleu_dev": paper.get("bleu_dev"),
                 "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
@@ -169,6 +171,8 @@ def dev_perplexity_curves(runs, results: str | Path) -> dict[str, dict[int, list
 def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
     notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
              f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n"
+             "\n`*_length_ratio`: hypothesis length over reference length in sacreBLEU's tokens (below 1, "
+             "the brevity penalty lowers BLEU).\n"
              f"\n`{TOKENS_COLUMN}`: the mean real (non-pad) source and target tokens of one optimizer step "
              "(the paper: about 25000 + 25000). Training cost: `paper_train_flops` is the paper's GPU-hours x "
              "9.5 TFLOPS (P100); `train_cost_gpu_hours_x_peak` is ours counted the same way, GPU-hours x the "
@@ -195,11 +199,11 @@ def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds:
     runs = collect_runs(presets, results, seeds)
     tokens = ["real_src_tokens_per_step", "real_tgt_tokens_per_step"]
     table2 = _with_tokens_column(summarise(
-        runs, ["test_bleu_tok", "test_sacrebleu", "test_chrf", *tokens, "steps", "train_hours",
+        runs, ["test_bleu_tok", "test_sacrebleu", "test_length_ratio", "test_chrf", *tokens, "steps", "train_hours",
                "train_flops_analytic", "train_cost_gpu_hours_x_peak"],
         {"test_bleu_tok": "paper_bleu_test", "train_cost_gpu_hours_x_peak": "paper_train_flops"}))
     table3 = _with_tokens_column(summarise(
-        runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "params", *tokens, "steps", "train_hours"],
+        runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours"],
         {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
     if bootstrap_samples:
         bootstrap = bootstrap_against_base(runs, results, base, tgt_lang, bootstrap_samples)

@@ -143,6 +143,7 @@ class TrainSettings:
     keep_checkpoints: int
     checkpoint_steps: int
     checkpoint_minutes: float | None
+    max_minutes: float | None
     layout: int
     log_every: int
     dev_every: int
@@ -160,6 +161,8 @@ class TrainSettings:
             keep_checkpoints=max(preset["keep_checkpoints"], preset["average_last"]),
             checkpoint_steps=preset["checkpoint_steps"], checkpoint_minutes=preset["checkpoint_minutes"],
             layout=max(1, preset["gpus"]),
+            # a preset's own budget wins over the train section's
+            max_minutes=preset["max_minutes"] if "max_minutes" in preset else train.get("max_minutes"),
             log_every=train["log_every"], dev_every=train["dev_every"], compile=train["compile"],
             precision=train["precision"], seed=seed,
         )
@@ -237,7 +240,8 @@ class Progress:
     target_tokens: int = 0
     source_tokens: int = 0
     train_flops: float = 0.0
-    elapsed_seconds: float = 0.0
+    elapsed_seconds: float = 0.0  # in training steps
+    wall_seconds: float = 0.0     # the whole loop: steps, dev evaluations, checkpoints (for max_minutes)
     padded_source_tokens: int = 0
     padded_target_tokens: int = 0
     dev_history: list = field(default_factory=list)
@@ -455,10 +459,12 @@ def train(job: TrainJob) -> dict:
     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "src_tokens": 0, "padded": 0, "real": 0, "time": 0.0,
               "flops": 0.0, "steps": 0}
     start_step = progress.step
+    budget = settings.max_minutes * 60 if settings.max_minutes else math.inf
     status = "FAILED"
     try:
         training_model.train()
-        while progress.step < settings.steps:
+        while progress.step < settings.steps and progress.wall_seconds < budget:
+            loop_start = time.monotonic()
             step_start = time.perf_counter()
             step = progress.step + 1
             micro, shape = source.next(progress)
@@ -468,7 +474,7 @@ def train(job: TrainJob) -> dict:
             lr = learning_rate(step, model_config.d_model, settings.warmup_steps, settings.lr_scale)
             for group_params in optimizer.param_groups:
                 group_params["lr"] = lr
-            sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, nll, grad norm, stop
+            sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, nll, grad norm, stop, budget
             for position, (index, rows) in enumerate(mine):
                 batch = collate(train_split, rows).to(device)
                 torch.manual_seed(micro_batch_seed(settings.seed, step, index))
@@ -487,11 +493,13 @@ def train(job: TrainJob) -> dict:
             stopping = stop.signal is not None or (job.stop_after_steps is not None
                                                    and step - start_step >= job.stop_after_steps)
             sums[3] = float(stopping)
+            sums[4] = float(progress.wall_seconds + time.monotonic() - loop_start >= budget)
             if world > 1:
                 torch.distributed.all_reduce(sums)
             # the step's one host-device synchronisation: every process agrees to go on or to stop
-            loss_sum, nll_sum, grad_norm, stop_votes = sums.tolist()
+            loss_sum, nll_sum, grad_norm, stop_votes, budget_votes = sums.tolist()
             stopping = stop_votes > 0
+            last = step == settings.steps or budget_votes > 0
             if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                 what = "training loss" if not math.isfinite(loss_sum) else "gradient norm"
                 value = loss_sum if not math.isfinite(loss_sum) else grad_norm
@@ -516,7 +524,7 @@ def train(job: TrainJob) -> dict:
                                ("steps", 1)):
                 window[key] += value
             bar.update(1)
-            if dist.is_main and (step % settings.log_every == 0 or step == settings.steps):
+            if dist.is_main and (step % settings.log_every == 0 or last):
                 tokens_per_second = window["tokens"] / max(window["time"], 1e-9)
                 metrics = {
                     "train_loss": window["loss"] / window["tokens"], "train_nll": window["nll"] / window["tokens"],
@@ -538,16 +546,21 @@ def train(job: TrainJob) -> dict:
                                settings.label_smoothing)
                 progress.dev_history.append({"step": step, **dev})
                 tracker.log_metrics(dev, step)
-            in_window = is_window_step(step, settings.steps, settings.checkpoint_steps)
+            progress.wall_seconds += time.monotonic() - loop_start
+            # a run that ends at its time budget ends normally: its last step joins the window
+            in_window = is_window_step(step, settings.steps, settings.checkpoint_steps) or last
             due_time = settings.checkpoint_minutes and \
                 time.monotonic() - last_checkpoint_time >= settings.checkpoint_minutes * 60
             if dist.is_main and (in_window or due_time or stopping):
                 save(progress, window=in_window)
                 last_checkpoint_time = time.monotonic()
-            if stopping and step < settings.steps:
+            if last:
+                break
+            if stopping:
                 status = "KILLED"
                 raise Preempted(f"stopped at step {step}; checkpoint written to {checkpoint_dir}")
         bar.close()
+        stopped_by = "steps" if progress.step >= settings.steps else "max_minutes"
         summary = {}
         if dist.is_main:
             final_dev = evaluate(model, dev_split, device, settings.precision, settings.device_tokens,
@@ -563,7 +576,8 @@ def train(job: TrainJob) -> dict:
                 "preset": job.preset["name"], "seed": job.seed, "step": progress.step, "epochs": progress.epoch,
                 "parameters": model.num_parameters(), "target_tokens": progress.target_tokens,
                 "source_tokens": progress.source_tokens, **progress.per_step(), "train_flops": progress.train_flops,
-                "train_hours": progress.elapsed_seconds / 3600, "world_size": world,
+                "train_hours": progress.elapsed_seconds / 3600, "wall_hours": progress.wall_seconds / 3600,
+                "planned_steps": settings.steps, "stopped_by": stopped_by, "world_size": world,
                 "device": device_name, "device_peak_flops": peak, "mlflow_run_id": tracker.run_id,
                 "tracking_uri": tracker.uri, "experiment": job.experiment, **{k: v for k, v in final_dev.items()},
                 "dev_history": progress.dev_history, "vocab_fingerprint": vocab_fingerprint,
