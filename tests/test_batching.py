@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from aiayn.batching import collate, length_batches
+from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
 from aiayn.binarize import load_split
 from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
+from aiayn.errors import UserError
 
 
 def test_every_pair_lands_in_exactly_one_batch_within_the_token_budget():
@@ -50,3 +52,65 @@ def test_collate_adds_eos_to_the_source_and_shifts_the_target(prepared):
         assert batch.tgt_out[r, :len(tgt) + 1].tolist() == tgt + [EOS_ID]
         assert set(batch.tgt_out[r, len(tgt) + 1:].tolist()) <= {PAD_ID}
     assert batch.tgt_tokens == sum(len(split.tgt(i)) + 1 for i in rows)
+
+
+# --- one optimizer step: the paper's batch on any number of devices ------------------------
+
+def _corpus(n=60000, seed=0):
+    rng = np.random.default_rng(seed)
+    src = np.clip(rng.lognormal(3.0, 0.5, n).astype(np.int64), 1, 250)
+    tgt = np.clip((src * rng.normal(1.05, 0.15, n)).astype(np.int64), 1, 250)
+    return src, tgt
+
+
+@pytest.mark.parametrize("tokens_per_step, device_tokens", [(25000, 12500), (25000, 25000), (3000, 3000), (4000, 1000)])
+def test_a_step_holds_tokens_per_step_per_side_on_1_to_16_devices(tokens_per_step, device_tokens):
+    src, tgt = _corpus()
+    steps = step_batches(src, tgt, tokens_per_step, seed=1, epoch=0)
+    assert np.array_equal(np.sort(np.concatenate(steps)), np.arange(len(src)))  # every pair once an epoch
+    remainder = set()
+    for index, rows in enumerate(steps):
+        padded = (len(rows) * (src[rows].max() + 1), len(rows) * (tgt[rows].max() + 1))
+        assert min(padded) >= tokens_per_step  # never under, on either side
+        # over by less than one sentence: the step without its last (longest) pair is under on a side
+        order = rows[np.lexsort((src[rows], tgt[rows], np.maximum(src[rows], tgt[rows])))]
+        shorter = order[:-1]
+        if min(len(shorter) * (src[shorter].max() + 1), len(shorter) * (tgt[shorter].max() + 1)) >= tokens_per_step:
+            remainder.add(index)  # the epoch's remainder joined this step
+            assert max(padded) < 3 * tokens_per_step
+    assert len(remainder) <= 1
+    for world in range(1, 17):
+        for index, rows in enumerate(steps):
+            micro = split_step(src, tgt, rows, device_tokens, layout=world)
+            assert len(micro) % world == 0 and all(len(m) for m in micro)  # every device gets a share
+            if device_tokens * world >= tokens_per_step + 500 and index not in remainder:
+                assert len(micro) == world  # one micro-batch per device, each about T / world
+            longest = int(np.maximum(src[rows], tgt[rows]).max()) + 1
+            for m in micro:
+                assert len(m) * (max(src[m].max(), tgt[m].max()) + 1) <= device_tokens + 2 * longest
+            shape = StepShape.of(src, tgt, micro)
+            assert shape.real_src == int(src[rows].sum()) + len(rows)
+            assert shape.real_tgt == int(tgt[rows].sum()) + len(rows)
+            # the side that fills last is over by less than one micro-batch per device
+            padded = (len(rows) * (src[rows].max() + 1), len(rows) * (tgt[rows].max() + 1))
+            assert index in remainder or min(padded) - tokens_per_step < max(tokens_per_step / len(micro) * world, 1)
+
+
+def test_the_steps_of_an_epoch_are_the_same_whatever_the_number_of_processes():
+    src, tgt = _corpus(5000)
+    steps = step_batches(src, tgt, 3000, seed=4, epoch=1)
+    again = step_batches(src, tgt, 3000, seed=4, epoch=1)
+    assert all(np.array_equal(a, b) for a, b in zip(steps, again))
+    other_epoch = step_batches(src, tgt, 3000, seed=4, epoch=2)
+    assert not all(np.array_equal(a, b) for a, b in zip(steps, other_epoch))
+    # a process's micro-batches are micro[rank::world] of one list that depends on the layout only
+    micro = split_step(src, tgt, steps[0], 500, layout=4)
+    assert [len(m) for m in micro] == [len(m) for m in split_step(src, tgt, steps[0], 500, layout=4)]
+    assert len(micro) % 4 == 0
+
+
+def test_a_step_too_small_to_share_is_refused():
+    src = tgt = np.full(6, 9)
+    steps = step_batches(src, tgt, 20, seed=0)
+    with pytest.raises(UserError, match="cannot be split into 8 micro-batches"):
+        split_step(src, tgt, steps[0], 10, layout=8)

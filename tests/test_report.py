@@ -42,7 +42,8 @@ def write_run(results, preset, seed, history=True):
     dev_history = [{"step": step, "dev_loss": math.log(p) + 0.3, "dev_nll": math.log(p), "dev_ppl": p}
                    for step, p in ((100, 3 * ppl), (200, 1.5 * ppl), (300, ppl))]
     final = {"preset": preset, "seed": seed, "step": 300, "epochs": 2, "parameters": params, "train_hours": 0.5,
-             "train_flops": 1e15, "dev_loss": math.log(ppl) + 0.3, "dev_nll": math.log(ppl), "dev_ppl": ppl,
+             "train_flops": 1e15, "world_size": 8, "device_peak_flops": 1e12, "real_src_tokens_per_step": 24000.4,
+             "real_tgt_tokens_per_step": 24500.6, "dev_loss": math.log(ppl) + 0.3, "dev_nll": math.log(ppl), "dev_ppl": ppl,
              "dev_history": dev_history if history else [], "mlflow_run_id": None}
     (run / "final.json").write_text(json.dumps(final))
     scores = results / "score" / preset / f"seed{seed}"
@@ -85,7 +86,11 @@ def test_tables_have_every_preset_with_mean_std_and_the_difference_to_the_paper(
     assert math.isnan(table3.loc["A_heads_1", "params_diff"])  # the paper gives no count for that row
     assert table2.loc["base", "test_bleu_tok"] == pytest.approx(27.5)
     assert table2.loc["base", "test_bleu_tok_diff"] == pytest.approx(27.5 - 27.3)
-    assert table2.loc["base", "train_flops_diff"] == pytest.approx(1e15 - 3.3e18)
+    # the paper's cost is GPU-hours x a rate, and so is ours: 0.5 h x 8 GPUs x 1e12 FLOP/s
+    assert table2.loc["base", "train_cost_gpu_hours_x_peak"] == pytest.approx(0.5 * 3600 * 8 * 1e12)
+    assert table2.loc["base", "train_cost_gpu_hours_x_peak_diff"] == pytest.approx(0.5 * 3600 * 8 * 1e12 - 3.3e18)
+    assert table2.loc["base", "train_flops_analytic"] == 1e15
+    assert table2.loc["base", "tokens per step, real src + tgt"] == "24000 + 24501"
 
     import pandas as pd
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 import shutil
 import subprocess
@@ -218,3 +220,13 @@ def test_paired_bootstrap_is_deterministic_for_a_seed():
     first = paired_bootstrap(baseline, HYPOTHESES, REFERENCES, n_samples=30, seed=3)
     second = paired_bootstrap(baseline, HYPOTHESES, REFERENCES, n_samples=30, seed=3)
     assert first == second
+
+
+def test_the_length_ratio_is_hypothesis_over_reference_length_in_sacrebleus_tokens(tmp_path):
+    from aiayn.score import score
+
+    references = ["the dog sees the cat .", "a man runs ."]
+    short = score(["the dog .", "a man runs ."], references)
+    assert short["length_ratio"] == pytest.approx(7 / 10)
+    assert short["brevity_penalty"] == pytest.approx(math.exp(1 - 10 / 7))
+    assert score(references, references)["length_ratio"] == 1.0

@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import tiny_preset
 import torch
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint
-from aiayn.train import TrainingDiverged, TrainJob, accumulation_steps, label_smoothed_loss, learning_rate, train
+from aiayn.errors import UserError
+from aiayn.checkpoint import window_steps
+from aiayn.train import (Distributed, TrainingDiverged, TrainJob, choose_device, label_smoothed_loss, learning_rate,
+                         train)
 
 TRAIN_SECTION = {"tokens_per_step": 600, "device_tokens": 600, "adam_betas": [0.9, 0.98], "adam_eps": 1e-9,
-                 "log_every": 2, "dev_every": 3, "compile": False, "precision": "fp32", "threads": 0}
+                 "log_every": 2, "dev_every": 3, "compile": False, "precision": "fp32", "threads": 0, "device": "cpu"}
 
 
 def job(prepared, run_dir, track=False, tracking_uri=None, **overrides) -> TrainJob:
@@ -53,11 +58,21 @@ def test_label_smoothed_loss_matches_a_hand_computed_case():
     assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
 
 
-def test_accumulation_keeps_the_effective_batch_on_any_number_of_devices():
-    assert accumulation_steps(25000, 3125, 1) == 8
-    assert accumulation_steps(25000, 3125, 8) == 1
-    assert accumulation_steps(25000, 12500, 2) == 1
-    assert accumulation_steps(25000, 4000, 2) == 4
+def test_the_paper_presets_average_their_window_at_the_papers_steps():
+    from aiayn.config import load_config, resolve_preset
+
+    config = load_config(["config/config.yaml", "config/wmt14_en_de.yaml"])
+    base, big = resolve_preset(config, "base"), resolve_preset(config, "big")
+    assert window_steps(base["steps"], base["checkpoint_steps"], base["average_last"]) == [
+        94444, 95833, 97222, 98611, 100000]  # 5, 10 minutes of the paper's 12 h run apart
+    big_window = window_steps(big["steps"], big["checkpoint_steps"], big["average_last"])
+    assert len(big_window) == 20 and big_window[-1] == 300000 and big_window[0] == 300000 - 19 * 595
+
+
+def test_gpus_0_trains_on_the_cpu_even_where_cuda_is_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert choose_device(Distributed(), "auto", gpus=0).type == "cpu"
+    assert choose_device(Distributed(), "cpu", gpus=8).type == "cpu"
 
 
 def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(prepared, tmp_path):
@@ -66,7 +81,9 @@ def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(p
 
     with pytest.raises(Preempted):
         train(job(prepared, tmp_path / "resumed", stop_after_steps=3))
-    assert [step for step, _ in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == [2, 3]
+    assert [step for step, _ in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == [2]  # the window
+    assert [path.name for _, path in list_checkpoints(tmp_path / "resumed" / "checkpoints", safety=True)] == [
+        "step_00000002.pt", "safety_00000003.pt"]
     summary = train(job(prepared, tmp_path / "resumed"))
     assert summary["step"] == 6
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
@@ -121,23 +138,85 @@ def test_the_mlflow_run_holds_config_fingerprints_and_metrics(prepared, tmp_path
     assert any("dev_ppl" in json.loads(line) for line in lines)
 
 
-def test_two_gloo_processes_make_the_same_update_as_one_accumulating_two(prepared, tmp_path):
-    preset = tiny_preset(steps=2, checkpoint_steps=None, keep_checkpoints=1, average_last=1)
-    one = {**TRAIN_SECTION, "tokens_per_step": 1200, "device_tokens": 600}  # 1 process x 2 micro-batches
-    common = ["--preset-json", json.dumps(preset), "--seed", "1", "--train-data", str(prepared / "bin" / "train"),
-              "--spm-model", str(prepared / "bpe" / "spm.model"), "--no-tracking", "--device", "cpu", "--threads", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "-m", "aiayn.train", *common, "--train-json", json.dumps(one),
-                             "--run-dir", str(tmp_path / "one")], capture_output=True, text=True, env=env)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_processes_train_on_the_same_tokens_and_reach_the_same_weights_as_one_process(prepared, tmp_path, world):
+    preset = tiny_preset(steps=3, checkpoint_steps=3, keep_checkpoints=1, average_last=1, gpus=world)
+    section = {**TRAIN_SECTION, "tokens_per_step": 1200, "device_tokens": 300}  # 4 micro-batches a step
+    single = _run(_train_command(prepared, tmp_path / "one", preset, section))
     assert single.returncode == 0, single.stderr
-    double = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "aiayn.train", *common, "--train-json", json.dumps(one),
-                             "--run-dir", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300)
-    assert double.returncode == 0, double.stderr
-    assert json.loads((tmp_path / "two" / "final.json").read_text())["world_size"] == 2
-    a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    several = _run(_train_command(prepared, tmp_path / "several", preset, section, "--processes", str(world)))
+    assert several.returncode == 0, several.stderr
+    one, many = (json.loads((tmp_path / name / "final.json").read_text()) for name in ("one", "several"))
+    assert (one["world_size"], many["world_size"]) == (1, world)
+    for key in ("real_src_tokens_per_step", "real_tgt_tokens_per_step", "padded_src_tokens_per_step"):
+        assert one[key] == many[key], key
+    assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "several"))
+
+
+def assert_same_weights(a, b):
+    """Equal within float tolerance; key biases are left out: their true gradient is zero (softmax does
+    not change when a constant is added to every score), so Adam turns rounding noise into steps."""
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+        if not name.endswith("key.bias"):
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_preempted_torchrun_job_exits_75_and_resumes_exactly_on_another_number_of_processes(prepared, tmp_path):
+    preset = tiny_preset(steps=4, checkpoint_steps=2, keep_checkpoints=2, average_last=2, gpus=2)
+    section = {**TRAIN_SECTION, "tokens_per_step": 1200, "device_tokens": 300}
+    straight = _run(_train_command(prepared, tmp_path / "straight", preset, section))
+    assert straight.returncode == 0, straight.stderr
+    stopped = _run(_train_command(prepared, tmp_path / "moved", preset, section, "--processes", "2",
+                                  "--stop-after-steps", "1"))
+    assert stopped.returncode == 75, stopped.stderr  # not torchrun's 1: Snakemake's retry resumes it
+    resumed = _run(_train_command(prepared, tmp_path / "moved", preset, section))  # now on 1 process
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr and "on 1 process" in resumed.stderr
+    assert_same_weights(final_weights(tmp_path / "straight"), final_weights(tmp_path / "moved"))
+
+
+def test_resuming_with_another_batch_rule_is_refused_naming_what_changed(prepared, tmp_path):
+    from aiayn.train import Preempted
+
+    with pytest.raises(Preempted):
+        train(job(prepared, tmp_path / "run", stop_after_steps=1))
+    with pytest.raises(UserError, match=r"tokens_per_step 600 -> 900.*delete .* to start afresh"):
+        train(job(prepared, tmp_path / "run", train={"tokens_per_step": 900}))
+
+
+def test_more_processes_than_the_preset_is_laid_out_for_are_refused(prepared, tmp_path):
+    result = _run(_train_command(prepared, tmp_path / "run", tiny_preset(gpus=1), TRAIN_SECTION, "--processes", "2"))
+    assert result.returncode == 2
+    assert "2 processes, but preset 'tiny' is laid out for gpus: 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_sigterm_between_window_checkpoints_averages_the_same_steps_as_an_uninterrupted_run(prepared, tmp_path):
+    from aiayn.average import average_checkpoints
+    from aiayn.checkpoint import last_checkpoints
+
+    preset = tiny_preset(steps=30, checkpoint_steps=4, keep_checkpoints=3, average_last=3)
+    section = {**TRAIN_SECTION, "tokens_per_step": 300, "device_tokens": 300, "dev_every": 0, "log_every": 1}
+    straight = _run(_train_command(prepared, tmp_path / "straight", preset, section))
+    assert straight.returncode == 0, straight.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(_train_command(prepared, tmp_path / "killed", preset, section), env=env,
+                               stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (checkpoints / "step_00000006.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first window checkpoint (30, 26, ..., 6, 2 are the window's steps)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 75, process.stderr.read()
+    stopped_at = list_checkpoints(checkpoints, safety=True)[-1][0]
+    assert stopped_at < 30
+    resumed = _run(_train_command(prepared, tmp_path / "killed", preset, section))
+    assert resumed.returncode == 0, resumed.stderr
+    assert not list((checkpoints).glob("safety_*.pt"))  # a safety checkpoint lasts only until the next window one
+    averaged = [average_checkpoints(last_checkpoints(tmp_path / run / "checkpoints", 3)) for run in ("straight", "killed")]
+    assert averaged[0]["averaged_steps"] == averaged[1]["averaged_steps"] == [22, 26, 30]
+    for name, tensor in averaged[0]["model"].items():
+        assert torch.equal(tensor, averaged[1]["model"][name]), name  # resuming is exact on the CPU
 
 
 def test_label_smoothed_loss_gradient_equals_autograd_through_the_formula():
@@ -162,3 +241,44 @@ def test_label_smoothed_loss_gradient_equals_autograd_through_the_formula():
         torch.testing.assert_close(loss, expected_loss)
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
         assert torch.all(ours.grad[1, 3:] == 0)
+
+
+def test_a_non_finite_gradient_norm_stops_the_run_naming_the_step(prepared, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
+    with pytest.raises(TrainingDiverged, match=r"gradient norm became nan at step 1 \(preset tiny\)"):
+        train(job(prepared, tmp_path / "run"))
+    assert not list_checkpoints(tmp_path / "run" / "checkpoints", safety=True)  # nothing written
+
+
+def test_real_tokens_per_step_are_counted_and_reported(prepared, tmp_path):
+    summary = train(job(prepared, tmp_path / "run", train={"tokens_per_step": 900, "device_tokens": 300}))
+    assert summary["padded_src_tokens_per_step"] <= 900 * 1.5 and summary["padded_tgt_tokens_per_step"] > 0
+    for side in ("src", "tgt"):
+        real = summary[f"real_{side}_tokens_per_step"]
+        assert 0.6 * 900 < real <= summary[f"padded_{side}_tokens_per_step"]
+    assert summary["real_tgt_tokens_per_step"] * summary["step"] == summary["target_tokens"]
+
+
+def _train_command(prepared, run_dir, preset, section, *extra):
+    return [sys.executable, "-m", "aiayn.train", "--preset-json", json.dumps(preset), "--seed", "1",
+            "--train-data", str(prepared / "bin" / "train"), "--spm-model", str(prepared / "bpe" / "spm.model"),
+            "--no-tracking", "--device", "cpu", "--threads", "1", "--train-json", json.dumps(section),
+            "--run-dir", str(run_dir), *extra]
+
+
+def _run(command, **kwargs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, **kwargs)
+
+
+def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(prepared, tmp_path):
+    from aiayn.checkpoint import last_checkpoints
+
+    preset = tiny_preset(steps=10_000, checkpoint_steps=3, keep_checkpoints=3, average_last=3, max_minutes=0.002)
+    summary = train(job(prepared, tmp_path / "run", **{k: v for k, v in preset.items() if k != "name"}))
+    assert summary["stopped_by"] == "max_minutes" and 0 < summary["step"] < 10_000
+    assert summary["planned_steps"] == 10_000 and summary["wall_hours"] * 60 >= 0.002
+    assert (tmp_path / "run" / "final.pt").exists()
+    window = [path.name for path in last_checkpoints(tmp_path / "run" / "checkpoints", 3)]
+    assert window[-1] == f"step_{summary['step']:08d}.pt"  # the last step is averaged, no safety file
+    assert not list((tmp_path / "run" / "checkpoints").glob("safety_*"))

@@ -24,6 +24,7 @@ decode: {beam_size: 2, tokens_per_batch: 2000, max_len_b: 10}
 models: [demo_base, demo_nopos]
 presets:
   demo_base: {steps: 20, warmup_steps: 5, checkpoint_steps: 5, d_model: 64, d_ff: 128, n_layers: 1}
+  demo_nopos: {max_minutes: 0.001}   # a time budget that ends training after a step or two
 """
 
 
@@ -81,10 +82,25 @@ def test_the_report_has_a_row_per_preset_with_the_paper_columns(demo_run):
     table3 = pd.read_csv(demo_run / "results" / "demo" / "report" / "table3.csv")
     table2 = pd.read_csv(demo_run / "results" / "demo" / "report" / "table2.csv")
     assert list(table3["preset"]) == list(table2["preset"]) == ["demo_base", "demo_nopos"]
-    for column in ("dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "params", "paper_ppl_dev", "paper_bleu_dev"):
+    tokens = "tokens per step, real src + tgt"
+    for column in ("dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", "paper_ppl_dev",
+                   "paper_bleu_dev", tokens):
         assert column in table3, column
-    for column in ("test_bleu_tok", "test_sacrebleu", "train_flops", "paper_bleu_test"):
+    for column in ("test_bleu_tok", "test_sacrebleu", "test_length_ratio", "train_flops_analytic",
+                   "train_cost_gpu_hours_x_peak", "paper_bleu_test", tokens):
         assert column in table2, column
+    src, tgt = (float(side) for side in table2.loc[0, tokens].split(" + "))
+    assert 1000 < src and 1000 < tgt  # tokens_per_step 1500 padded per side, real a little under
+    assert table2["test_length_ratio"].between(0, 3).all()
+
+
+def test_a_run_that_spends_its_time_budget_ends_normally_and_the_dag_completes(demo_run):
+    results = demo_run / "results" / "demo"
+    final = json.loads((results / "train" / "demo_nopos" / "seed1" / "final.json").read_text())
+    assert final["stopped_by"] == "max_minutes" and final["step"] < final["planned_steps"]
+    averaged = torch.load(results / "average" / "demo_nopos" / "seed1" / "model.pt", weights_only=True)
+    assert averaged["averaged_steps"][-1] == final["step"]
+    assert (results / "score" / "demo_nopos" / "seed1" / "test.json").exists()
     assert (demo_run / "results" / "demo" / "report" / "table3.md").read_text().startswith("# Table 3")
 
 
@@ -97,7 +113,9 @@ def test_mlflow_holds_one_finished_run_per_preset_with_bleu_and_translations(dem
     assert sorted(run.data.tags["preset"] for run in runs) == ["demo_base", "demo_nopos"]
     for run in runs:
         assert run.info.status == "FINISHED"
-        for metric in ("dev_bleu_tok", "dev_sacrebleu", "test_bleu_tok", "test_sacrebleu", "test_chrf", "dev_ppl"):
+        assert run.data.tags["averaged_steps"]
+        for metric in ("dev_bleu_tok", "dev_sacrebleu", "test_bleu_tok", "test_sacrebleu", "test_chrf", "dev_ppl",
+                       "test_length_ratio", "dev_length_ratio", "real_src_tokens_per_step"):
             assert metric in run.data.metrics, metric
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "translations/test")}
         assert "translations/test/test.de" in artifacts

@@ -1,7 +1,8 @@
 """The average stage: the elementwise mean of the last checkpoints' weights (paper, section 6.1).
 
 The paper's base model averages the last 5 checkpoints, the big model the last 20; PAPER.md's
-pitfall 3 puts this at up to 1 BLEU. The result is a model file without optimizer state:
+pitfall 3 puts this at up to 1 BLEU. ``--last K`` takes the last K *window* checkpoints
+(``step_*.pt``, at the paper's step interval); safety checkpoints (``safety_*.pt``) never count. The result is a model file without optimizer state:
 ``{"format": "aiayn-model-v1", "model_config", "model", "vocab_fingerprint",
 "data_fingerprint", "averaged_steps", "averaged_from"}``. Averaged models are accepted as
 inputs too; each input file then counts once, whatever it was averaged from.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -127,6 +129,9 @@ def main(argv=None):
     parser.add_argument("--output", required=True, type=Path, help="the averaged model file to write")
     parser.add_argument("--last", type=int, metavar="K", help="average the last K checkpoints of --checkpoint-dir")
     parser.add_argument("--checkpoint-dir", type=Path, help="directory of step_*.pt checkpoints (with --last)")
+    parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
+                        help="tag the training run that final.json names with the averaged steps (MLflow)")
+    parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
     args = parser.parse_args(argv)
     if (args.last is None) != (args.checkpoint_dir is None):
@@ -134,10 +139,18 @@ def main(argv=None):
     if args.last is not None and args.checkpoints:
         raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
     paths = last_checkpoints(args.checkpoint_dir, args.last) if args.last is not None else args.checkpoints
+    if args.last is not None and len(paths) < args.last:
+        print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "
+              "early, e.g. at train.max_minutes); averaging those", file=sys.stderr)
     model = average_checkpoints(paths)
     save_model(model, args.output)
     steps = ", ".join(str(step) for step in model["averaged_steps"])
     print(f"averaged {len(paths)} files (steps {steps}) into {args.output}")
+    if args.log_to_run:
+        from aiayn.tracking import log_to_existing_run
+
+        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics={"averaged_checkpoints": len(paths)},
+                            tags={"averaged_steps": steps})
 
 
 if __name__ == "__main__":

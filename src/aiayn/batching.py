@@ -8,12 +8,14 @@ sharding need nothing but a cursor into it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
+from aiayn.errors import UserError
 
 
 def length_batches(
@@ -109,3 +111,99 @@ def collate(split, rows: np.ndarray) -> Batch:
     src_tokens = int((src != PAD_ID).sum())
     tgt_tokens = int((tgt_out != PAD_ID).sum())
     return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), src_tokens, tgt_tokens)
+
+
+# --- the batch of one optimizer step ------------------------------------------------------
+
+def step_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, tokens_per_step: int, seed: int,
+                 epoch: int = 0) -> list[np.ndarray]:
+    """The sentences of each optimizer step of one epoch: the paper's "about 25000 + 25000 tokens".
+
+    Sentences are sorted by length as in ``length_batches`` and cut greedily into the fewest
+    consecutive sentences whose padded size ``rows * (longest + 1)`` reaches ``tokens_per_step``
+    on *each* side (so a step is never under the budget, and over it by less than its last
+    sentence's growth). An epoch's remainder below the budget joins the step before it. The
+    steps come shuffled; every process computes the same list from (seed, epoch), whatever the
+    number of processes, so a run can resume on another number of devices exactly.
+    """
+    src_cost = np.asarray(src_lengths, dtype=np.int64) + 1
+    tgt_cost = np.asarray(tgt_lengths, dtype=np.int64) + 1
+    n = len(src_cost)
+    if n == 0:
+        return []
+    rng = np.random.default_rng([seed, epoch])
+    # by the longer side, then target, then source; ties in a seeded random order (a shuffle, then a stable sort)
+    key = (np.maximum(src_cost, tgt_cost) << 42) | (tgt_cost << 21) | src_cost
+    shuffled = rng.permutation(n)
+    order = shuffled[np.argsort(key[shuffled], kind="stable")]
+    src_cost, tgt_cost = src_cost[order], tgt_cost[order]
+    cuts = [0]
+    start = 0
+    window = 1024
+    while start < n:
+        while True:
+            end = min(n, start + window)
+            rows = np.arange(1, end - start + 1)
+            # padded size of order[start:start + rows] on each side; non-decreasing in rows
+            filled = (rows * np.maximum.accumulate(src_cost[start:end]) >= tokens_per_step) & \
+                     (rows * np.maximum.accumulate(tgt_cost[start:end]) >= tokens_per_step)
+            if filled.any() or end == n:
+                break
+            window *= 4
+        rows = int(np.argmax(filled)) + 1 if filled.any() else n - start
+        start += rows
+        cuts.append(start)
+        window = 2 * rows  # the next step is about as long: look that far first
+    if len(cuts) > 2 and not _fills(src_cost[cuts[-2]:], tgt_cost[cuts[-2]:], tokens_per_step):
+        del cuts[-2]  # the epoch's remainder is under the budget: it joins the step before it
+    steps = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    rng.shuffle(steps)
+    return steps
+
+
+def _fills(src_cost: np.ndarray, tgt_cost: np.ndarray, tokens: int) -> bool:
+    rows = len(src_cost)
+    return rows * int(src_cost.max()) >= tokens and rows * int(tgt_cost.max()) >= tokens
+
+
+def micro_batches_per_step(size: int, longest: int, device_tokens: int, layout: int) -> int:
+    """How many micro-batches a step of padded ``size`` is split into: a multiple of ``layout``.
+
+    ``layout`` is the number of devices the preset is laid out for (its ``gpus``, at least 1):
+    the count is the same on 1, 2, ... or ``layout`` processes, so the same micro-batches (and
+    dropout masks) are drawn whatever the hardware. Each micro-batch holds at most
+    ``device_tokens`` plus two sentences (``longest`` is the step's longest sentence + 1).
+    """
+    return layout * max(1, math.ceil(max(size - longest, 1) / (layout * device_tokens)))
+
+
+def split_step(src_lengths: np.ndarray, tgt_lengths: np.ndarray, rows: np.ndarray, device_tokens: int,
+               layout: int) -> list[np.ndarray]:
+    """A step's sentences cut into micro-batches of near-equal rows (the rows are in length order)."""
+    src_longest, tgt_longest = int(src_lengths[rows].max()) + 1, int(tgt_lengths[rows].max()) + 1
+    size = len(rows) * max(src_longest, tgt_longest)
+    parts = micro_batches_per_step(size, max(src_longest, tgt_longest), device_tokens, layout)
+    if parts > len(rows):
+        raise UserError(f"a step of {len(rows)} sentences cannot be split into {parts} micro-batches "
+                        f"for {layout} devices; raise train.tokens_per_step or lower the preset's gpus")
+    return np.array_split(rows, parts)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What every process knows of a step without communicating: its sizes, from the lengths alone."""
+
+    real_src: int      # non-pad tokens: each sentence + eos
+    real_tgt: int      # target tokens predicted: each sentence + eos
+    padded_src: int    # positions computed, summed over the micro-batches
+    padded_tgt: int
+    shapes: tuple      # (rows, src_len, tgt_len) of each micro-batch, for FLOPs
+
+    @classmethod
+    def of(cls, src_lengths: np.ndarray, tgt_lengths: np.ndarray, micro: list[np.ndarray]) -> "StepShape":
+        shapes = tuple((len(rows), int(src_lengths[rows].max()) + 1, int(tgt_lengths[rows].max()) + 1)
+                       for rows in micro)
+        return cls(real_src=int(sum(int(src_lengths[rows].sum()) + len(rows) for rows in micro)),
+                   real_tgt=int(sum(int(tgt_lengths[rows].sum()) + len(rows) for rows in micro)),
+                   padded_src=sum(r * s for r, s, _ in shapes), padded_tgt=sum(r * t for r, _, t in shapes),
+                   shapes=shapes)

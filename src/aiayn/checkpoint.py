@@ -1,7 +1,10 @@
 """Checkpoint and model files: their formats, atomic saving, safe loading and listing.
 
-A training checkpoint (``aiayn-checkpoint-v1``, ``<run_dir>/checkpoints/step_<8-digit step>.pt``)
-holds the model, optimizer, schedule, data position, RNG states and resolved config; a model
+A training checkpoint (``aiayn-checkpoint-v1``) holds the model, optimizer, schedule, data
+position, RNG states and resolved config. Window checkpoints, ``<run_dir>/checkpoints/step_<8-digit
+step>.pt``, are the ones the paper averaged (every ``checkpoint_steps`` steps counted back from the
+last step); safety checkpoints, ``safety_<step>.pt``, are written on a time interval or a signal
+only so that a killed job can resume, and never enter an average. A model
 file (``aiayn-model-v1``: written by averaging and at the end of training) holds only what
 decoding needs. Both contain tensors and plain values alone, so they load with
 ``torch.load(weights_only=True)``: no pickled code runs when a file is opened.
@@ -20,7 +23,7 @@ from aiayn.fileio import atomic_path
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint-v1"
 MODEL_FORMAT = "aiayn-model-v1"
-_CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+_CHECKPOINT_NAME = re.compile(r"(step|safety)_(\d+)\.pt")
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -60,33 +63,47 @@ def save_model(obj: dict, path: str | os.PathLike) -> None:
 
 
 def last_checkpoints(checkpoint_dir: str | os.PathLike, k: int) -> list[Path]:
-    """The ``k`` checkpoints ``step_*.pt`` of ``checkpoint_dir`` with the highest steps, oldest first."""
+    """The last ``k`` window checkpoints ``step_*.pt`` of ``checkpoint_dir`` that exist, oldest first.
+
+    Fewer than ``k`` when the run has fewer (it ended early, by ``train.max_minutes``); none is an error.
+    """
     checkpoint_dir = Path(checkpoint_dir)
     if k < 1:
         raise UserError(f"cannot average the last {k} checkpoints; K must be at least 1")
     if not checkpoint_dir.is_dir():
         raise UserError(f"{checkpoint_dir}: no such checkpoint directory (has training started?)")
     found = list_checkpoints(checkpoint_dir)
-    if len(found) < k:
+    if not found:
         raise UserError(
-            f"{checkpoint_dir}: {len(found)} checkpoints (step_*.pt) found but the last {k} are to be averaged; "
-            "train longer, save checkpoints more often, or lower the number averaged"
+            f"{checkpoint_dir}: no window checkpoints (step_*.pt) to average; has the training run finished?"
         )
     return [path for _, path in found[-k:]]
 
 
-def checkpoint_path(checkpoint_dir: str | os.PathLike, step: int) -> Path:
-    return Path(checkpoint_dir) / f"step_{step:08d}.pt"
+def checkpoint_path(checkpoint_dir: str | os.PathLike, step: int, window: bool = True) -> Path:
+    return Path(checkpoint_dir) / f"{'step' if window else 'safety'}_{step:08d}.pt"
 
 
-def list_checkpoints(checkpoint_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``step_*.pt`` in ``checkpoint_dir``, oldest first (none if it is missing)."""
+def window_steps(last_step: int, interval: int, count: int) -> list[int]:
+    """The steps of the last ``count`` window checkpoints of a run ending at ``last_step``, oldest first."""
+    return [step for step in range(last_step - (count - 1) * interval, last_step + 1, interval) if step > 0]
+
+
+def is_window_step(step: int, last_step: int, interval: int) -> bool:
+    return (last_step - step) % interval == 0
+
+
+def list_checkpoints(checkpoint_dir: str | os.PathLike, safety: bool = False) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the window checkpoints in ``checkpoint_dir``, oldest first (none if it is missing).
+
+    With ``safety``, the safety checkpoints too (a window checkpoint first where both have one step).
+    """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         return []
     found = []
-    for path in checkpoint_dir.glob("step_*.pt"):
+    for path in checkpoint_dir.glob("*.pt"):
         match = _CHECKPOINT_NAME.fullmatch(path.name)
-        if match:
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+        if match and (safety or match.group(1) == "step"):
+            found.append((int(match.group(2)), match.group(1) == "safety", path))
+    return [(step, path) for step, _, path in sorted(found)]

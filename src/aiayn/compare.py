@@ -14,7 +14,9 @@ COLUMNS = {
     "tags.preset": "preset", "tags.seed": "seed", "tags.attempt": "attempt",
     "metrics.parameters": "params", "metrics.epoch": "epochs",
     "metrics.dev_ppl": "dev_ppl", "metrics.dev_bleu_tok": "dev_bleu_tok", "metrics.dev_sacrebleu": "dev_sacrebleu",
+    "metrics.dev_length_ratio": "dev_length_ratio",
     "metrics.test_bleu_tok": "test_bleu_tok", "metrics.test_sacrebleu": "test_sacrebleu",
+    "metrics.test_length_ratio": "test_length_ratio",
     "metrics.train_hours": "train_hours", "metrics.train_flops": "train_flops", "status": "status",
     "start_time": "started", "run_id": "run_id",
 }

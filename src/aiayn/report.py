@@ -1,6 +1,7 @@
 """The report stage: our numbers beside the paper's, as Table 2 (test) and Table 3 (dev), and pictures.
 
-Table 2: newstest2014 BLEU of the averaged model, training cost. Table 3: dev perplexity and
+Table 2: newstest2014 BLEU of the averaged model, training cost (counted the paper's way, GPU-hours
+times a rate, beside our analytic FLOPs). Table 3: dev perplexity and
 dev BLEU of the last checkpoint without averaging, parameter count, and a paired bootstrap test
 (sacreBLEU's, Koehn 2004) of each row's dev translations against the base model's. Several seeds
 of a preset are summarised as mean and standard deviation.
@@ -23,6 +24,7 @@ from aiayn.fileio import atomic_path, read_lines, write_text_atomic
 
 BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
 BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
+TOKENS_COLUMN = "tokens per step, real src + tgt"
 
 
 def _read_json(path: Path) -> dict:
@@ -56,9 +58,13 @@ def collect_runs(presets: dict, results: str | Path, seeds: list[int] | None = N
             rows.append({
                 "preset": name, "seed": seed, "row": paper.get("row", name),
                 "steps": final["step"], "params": final["parameters"], "train_hours": final["train_hours"],
-                "train_flops": final["train_flops"], "dev_ppl": final.get("dev_ppl"),
+                "train_flops_analytic": final["train_flops"], "train_cost_gpu_hours_x_peak": _gpu_cost(final),
+                "real_src_tokens_per_step": final.get("real_src_tokens_per_step", math.nan),
+                "real_tgt_tokens_per_step": final.get("real_tgt_tokens_per_step", math.nan), "dev_ppl": final.get("dev_ppl"),
                 "dev_bleu_tok": dev["bleu_tok"], "dev_sacrebleu": dev["sacrebleu"],
+                "dev_length_ratio": dev.get("length_ratio", math.nan),
                 "test_bleu_tok": test["bleu_tok"], "test_sacrebleu": test["sacrebleu"],
+                "test_length_ratio": test.get("length_ratio", math.nan),
                 "test_chrf": test["chrf"], "sacrebleu_signature": test["sacrebleu_signature"],
                 "paper_ppl_dev": paper.get("ppl_dev"), "paper_bleu_dev": paper.get("bleu_dev"),
                 "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
@@ -67,6 +73,20 @@ def collect_runs(presets: dict, results: str | Path, seeds: list[int] | None = N
     if not rows:
         raise UserError(f"{results}: no training runs of {', '.join(presets)} found; run the stages first")
     return pd.DataFrame(rows)
+
+
+def _gpu_cost(final: dict) -> float:
+    """GPU-hours x the device's dense bf16 peak: Table 2's training cost, counted as the paper did it."""
+    peak = final.get("device_peak_flops")
+    return final["train_hours"] * 3600 * final.get("world_size", 1) * peak if peak else math.nan
+
+
+def _with_tokens_column(table):
+    """The mean real tokens of a step as one readable column, "src + tgt"."""
+    text = [f"{src:.0f} + {tgt:.0f}" if src == src and tgt == tgt else ""
+            for src, tgt in zip(table["real_src_tokens_per_step"], table["real_tgt_tokens_per_step"])]
+    table.insert(table.columns.get_loc("steps"), TOKENS_COLUMN, text)
+    return table
 
 
 def summarise(runs, columns: list[str], paper_pairs: dict[str, str]):
@@ -150,7 +170,14 @@ def dev_perplexity_curves(runs, results: str | Path) -> dict[str, dict[int, list
 
 def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
     notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
-             f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n")
+             f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n"
+             "\n`*_length_ratio`: hypothesis length over reference length in sacreBLEU's tokens (below 1, "
+             "the brevity penalty lowers BLEU).\n"
+             f"\n`{TOKENS_COLUMN}`: the mean real (non-pad) source and target tokens of one optimizer step "
+             "(the paper: about 25000 + 25000). Training cost: `paper_train_flops` is the paper's GPU-hours x "
+             "9.5 TFLOPS (P100); `train_cost_gpu_hours_x_peak` is ours counted the same way, GPU-hours x the "
+             "device's dense bf16 peak (empty on a CPU); `train_flops_analytic` counts the model's "
+             "multiply-adds (x2, x3 for the backward pass) of every step.\n")
     if bootstrap_samples:
         notes += (f"\n`bootstrap_p_vs_base`: sacreBLEU's paired bootstrap ({bootstrap_samples} resamples, seed "
                   f"{BOOTSTRAP_SEED}) of detokenized dev BLEU against `{base}`, each seed paired with the base's "
@@ -170,10 +197,14 @@ def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds:
     if base not in presets:
         raise UserError(f"--base {base}: not one of the reported presets ({', '.join(presets)})")
     runs = collect_runs(presets, results, seeds)
-    table2 = summarise(runs, ["test_bleu_tok", "test_sacrebleu", "test_chrf", "steps", "train_hours", "train_flops"],
-                       {"test_bleu_tok": "paper_bleu_test", "train_flops": "paper_train_flops"})
-    table3 = summarise(runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "params", "steps", "train_hours"],
-                       {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"})
+    tokens = ["real_src_tokens_per_step", "real_tgt_tokens_per_step"]
+    table2 = _with_tokens_column(summarise(
+        runs, ["test_bleu_tok", "test_sacrebleu", "test_length_ratio", "test_chrf", *tokens, "steps", "train_hours",
+               "train_flops_analytic", "train_cost_gpu_hours_x_peak"],
+        {"test_bleu_tok": "paper_bleu_test", "train_cost_gpu_hours_x_peak": "paper_train_flops"}))
+    table3 = _with_tokens_column(summarise(
+        runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours"],
+        {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
     if bootstrap_samples:
         bootstrap = bootstrap_against_base(runs, results, base, tgt_lang, bootstrap_samples)
         table3 = table3.merge(bootstrap, on="preset", how="left")
@@ -187,7 +218,8 @@ def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds:
     ):
         with atomic_path(out_dir / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
-        markdown = table.to_markdown(index=False, floatfmt=".4g")
+        shown = table.drop(columns=[c for c in table.columns if c.startswith(("real_src_tokens", "real_tgt_tokens"))])
+        markdown = shown.to_markdown(index=False, floatfmt=".4g")
         write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}")
         files += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
     if figures:

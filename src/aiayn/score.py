@@ -86,6 +86,9 @@ def score(hypotheses: list[str], references: list[str], lang: str = "de") -> dic
         "bleu_tok_method": BLEU_TOK_METHOD.format(lang=lang),
         "chrf": chrf_score.score,
         "chrf_signature": str(chrf.get_signature()),
+        # hypothesis / reference length in sacreBLEU's tokens; under 1 is what the brevity penalty punishes
+        "length_ratio": sacre.sys_len / sacre.ref_len if sacre.ref_len else float("nan"),
+        "brevity_penalty": sacre.bp,
         "n_segments": len(hypotheses),
     }
 
@@ -178,6 +181,7 @@ def format_scores(result: dict) -> str:
         f"sacreBLEU       {result['sacrebleu']:6.2f}  {result['sacrebleu_signature']}",
         f"tokenized BLEU  {result['bleu_tok']:6.2f}  {result['bleu_tok_method']}",
         f"chrF            {result['chrf']:6.2f}  {result['chrf_signature']}",
+        f"length ratio    {result['length_ratio']:6.3f}  hypothesis / reference (brevity penalty {result['brevity_penalty']:.3f})",
         f"segments        {result['n_segments']}",
     ])
 
@@ -202,7 +206,7 @@ def main(argv=None):
     if args.log_to_run is not None:
         from aiayn.tracking import log_to_existing_run
 
-        metrics = {f"{args.split}_{key}": result[key] for key in ("sacrebleu", "bleu_tok", "chrf")}
+        metrics = {f"{args.split}_{key}": result[key] for key in ("sacrebleu", "bleu_tok", "chrf", "length_ratio")}
         params = {f"{args.split}_sacrebleu_signature": result["sacrebleu_signature"],
                   "bleu_tok_method": result["bleu_tok_method"]}
         log_to_existing_run(args.log_to_run, args.tracking_uri, metrics, [args.hyp] + ([args.output] if args.output else []),

@@ -261,15 +261,15 @@ class Tracker:
 
 def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics: dict[str, float],
                         artifacts: list[str | Path] = (), artifact_path: str | None = None,
-                        params: dict[str, str] | None = None) -> str | None:
-    """Log metrics/artifacts of a later stage into the training run named by ``final.json``."""
+                        params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> str | None:
+    """Log metrics/artifacts/tags of a later stage into the training run named by ``final.json``."""
     info = json.loads(Path(run_file).read_text())
     run_id = info.get("mlflow_run_id")
     if not run_id:
         print(f"warning: {run_file} names no MLflow run; metrics not tracked", file=sys.stderr)
         return None
     try:
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param, RunTag
     except ImportError:
         print("warning: mlflow is not installed; metrics not tracked", file=sys.stderr)
         return None
@@ -277,7 +277,8 @@ def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics:
     stamp = int(time.time() * 1000)
     batch = [Metric(k, float(v), stamp, int(info.get("step", 0))) for k, v in metrics.items()]
     param_items = [Param(k, str(v)) for k, v in (params or {}).items()]
-    _retry(lambda: client.log_batch(run_id, metrics=batch, params=param_items), "metrics")
+    tag_items = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+    _retry(lambda: client.log_batch(run_id, metrics=batch, params=param_items, tags=tag_items), "metrics")
     for path in artifacts:
         _retry(lambda: client.log_artifact(run_id, str(path), artifact_path), "artifact")
     return run_id

@@ -1,9 +1,10 @@
 """The train stage: one model preset, trained the paper's way, resumable, tracked in MLflow.
 
 PAPER.md, Training: Adam(0.9, 0.98, 1e-9), ``lrate = d_model^-0.5 * min(step^-0.5,
-step * warmup^-1.5)``, label smoothing, about 25000 source + 25000 target tokens a step
-(reached on any number of devices by gradient accumulation), checkpoints every 10 minutes.
-Runs as one process on a CPU or GPU, or as several under ``torchrun`` (DDP).
+step * warmup^-1.5)``, label smoothing, about 25000 source + 25000 target tokens a step (the same micro-batches on
+any number of devices, see ``aiayn.batching.step_batches``), window checkpoints at the paper's
+step interval for averaging. Runs as one process on a CPU or GPU, or as several under
+``torchrun`` (DDP).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiayn.batching import Batch, collate, length_batches
+from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
 from aiayn.binarize import load_split
 from aiayn.bpe import PAD_ID
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
-from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, list_checkpoints,
-                              load_checkpoint, save_model)
+from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, is_window_step,
+                              list_checkpoints, load_checkpoint, save_model)
 from aiayn.errors import UserError, cli
 from aiayn.fileio import write_json_atomic
 from aiayn.model import ModelConfig, Transformer
@@ -41,7 +42,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 70e12
 
 
 class TrainingDiverged(UserError):
-    """The loss became NaN or infinite."""
+    """The loss or the gradient norm became NaN or infinite."""
 
 
 class Preempted(Exception):
@@ -140,8 +141,10 @@ class TrainSettings:
     adam_betas: tuple[float, float]
     adam_eps: float
     keep_checkpoints: int
-    checkpoint_steps: int | None
+    checkpoint_steps: int
     checkpoint_minutes: float | None
+    max_minutes: float | None
+    layout: int
     log_every: int
     dev_every: int
     compile: bool
@@ -157,9 +160,18 @@ class TrainSettings:
             # averaging needs the last K checkpoints on disk
             keep_checkpoints=max(preset["keep_checkpoints"], preset["average_last"]),
             checkpoint_steps=preset["checkpoint_steps"], checkpoint_minutes=preset["checkpoint_minutes"],
+            layout=max(1, preset["gpus"]),
+            # a preset's own budget wins over the train section's
+            max_minutes=preset["max_minutes"] if "max_minutes" in preset else train.get("max_minutes"),
             log_every=train["log_every"], dev_every=train["dev_every"], compile=train["compile"],
             precision=train["precision"], seed=seed,
         )
+
+
+    def batch_rule(self) -> dict:
+        """What fixes the batches and their order: a resumed run must find the same."""
+        return {"tokens_per_step": self.tokens_per_step, "device_tokens": self.device_tokens,
+                "gpus": self.layout, "seed": self.seed}
 
 
 @dataclass
@@ -175,12 +187,16 @@ class Distributed:
     @classmethod
     def from_environment(cls) -> "Distributed":
         """torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain process is rank 0 of 1."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return cls()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
-        return cls(torch.distributed.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0")))
+        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                   int(os.environ.get("LOCAL_RANK", "0")))
+
+    def init(self, device: torch.device) -> None:
+        """Join the process group: NCCL when each process has a GPU of its own, gloo otherwise."""
+        if self.world_size == 1:
+            return
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        own_gpu = device.type == "cuda" and local_world <= torch.cuda.device_count()
+        torch.distributed.init_process_group("nccl" if own_gpu else "gloo")
 
     def all_sum(self, values: list[float], device) -> list[float]:
         if self.world_size == 1:
@@ -190,13 +206,19 @@ class Distributed:
         return tensor.tolist()
 
 
-def choose_device(dist: Distributed, requested: str = "auto") -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+def choose_device(dist: Distributed, requested: str = "auto", gpus: int = 1) -> torch.device:
+    """``auto``: a GPU when torch sees one and the preset asks for GPUs (``gpus`` > 0), else the CPU.
+
+    Processes that outnumber the GPUs share them (local rank modulo the GPU count).
+    """
+    if requested == "cpu" or (requested == "auto" and (gpus == 0 or not torch.cuda.is_available())):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but torch sees no CUDA device")
-    torch.cuda.set_device(dist.local_rank)
-    return torch.device("cuda", dist.local_rank)
+        raise UserError("train.device (or --device) is cuda but torch sees no CUDA device; "
+                        "use device: auto or cpu, or run the job where a GPU is visible")
+    index = dist.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def autocast_context(device: torch.device, precision: str):
@@ -218,8 +240,19 @@ class Progress:
     target_tokens: int = 0
     source_tokens: int = 0
     train_flops: float = 0.0
-    elapsed_seconds: float = 0.0
+    elapsed_seconds: float = 0.0  # in training steps
+    wall_seconds: float = 0.0     # the whole loop: steps, dev evaluations, checkpoints (for max_minutes)
+    padded_source_tokens: int = 0
+    padded_target_tokens: int = 0
     dev_history: list = field(default_factory=list)
+
+    def per_step(self) -> dict[str, float]:
+        """Mean tokens of one optimizer step so far: what the run really trained on."""
+        steps = max(self.step, 1)
+        return {"real_src_tokens_per_step": self.source_tokens / steps,
+                "real_tgt_tokens_per_step": self.target_tokens / steps,
+                "padded_src_tokens_per_step": self.padded_source_tokens / steps,
+                "padded_tgt_tokens_per_step": self.padded_target_tokens / steps}
 
 
 class StopFlag:
@@ -245,9 +278,31 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
     return (seed * 1_000_003 + step * 4099 + index) % (2 ** 63 - 1)
 
 
-def accumulation_steps(tokens_per_step: int, device_tokens: int, world_size: int) -> int:
-    """Micro-batches per device per step so that the effective batch stays the paper's."""
-    return max(1, math.ceil(tokens_per_step / (device_tokens * world_size)))
+class StepSource:
+    """The micro-batches of each optimizer step, in order, from (seed, epoch, cursor) alone."""
+
+    def __init__(self, split, settings: TrainSettings):
+        self.src_lengths, self.tgt_lengths = split.src_lengths, split.tgt_lengths  # computed once
+        self.settings = settings
+        self._epoch, self._steps = None, []
+
+    def steps_of(self, epoch: int) -> list[np.ndarray]:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._steps = step_batches(self.src_lengths, self.tgt_lengths, self.settings.tokens_per_step,
+                                       self.settings.seed, epoch)
+        return self._steps
+
+    def next(self, progress: Progress) -> tuple[list[np.ndarray], StepShape]:
+        """The next step's micro-batches (advancing ``progress``' epoch and cursor) and its sizes."""
+        if progress.cursor >= len(self.steps_of(progress.epoch)):
+            progress.epoch += 1
+            progress.cursor = 0
+        rows = self.steps_of(progress.epoch)[progress.cursor]
+        progress.cursor += 1
+        micro = split_step(self.src_lengths, self.tgt_lengths, rows, self.settings.device_tokens,
+                           self.settings.layout)
+        return micro, StepShape.of(self.src_lengths, self.tgt_lengths, micro)
 
 
 def evaluate(model: Transformer, split, device: torch.device, precision: str, max_tokens: int,
@@ -299,8 +354,12 @@ def train(job: TrainJob) -> dict:
     from aiayn.config import model_fields
 
     dist = Distributed.from_environment()
-    device = choose_device(dist, job.device)
+    requested = job.device if job.device != "auto" else job.train_section.get("device", "auto")
+    device = choose_device(dist, requested, int(job.preset.get("gpus", 0)))
+    dist.init(device)
     settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
+    world = dist.world_size
+    check_layout(world, job.preset)
     train_split = load_split(job.train_data)
     dev_split = load_split(job.dev_data) if job.dev_data else None
     vocab_size = train_split.meta["vocab_size"]  # binarise read it from the vocabulary checked below
@@ -319,7 +378,7 @@ def train(job: TrainJob) -> dict:
                                  fused=fused or None)
     progress = Progress()
     resumed_from = None
-    existing = list_checkpoints(checkpoint_dir)
+    existing = list_checkpoints(checkpoint_dir, safety=True)
     if existing:
         resumed_from = existing[-1][1]
         state = load_checkpoint(resumed_from)
@@ -328,17 +387,24 @@ def train(job: TrainJob) -> dict:
         if state["model_config"] != model_config.to_dict():
             raise UserError(f"{resumed_from}: its model_config differs from preset {job.preset['name']!r}; "
                             f"the preset changed since this run started: delete {job.run_dir} to start afresh")
+        saved_rule = state.get("batch_rule", settings.batch_rule())
+        if saved_rule != settings.batch_rule():
+            changed = ", ".join(f"{key} {saved_rule.get(key)} -> {value}" for key, value in settings.batch_rule().items()
+                                if saved_rule.get(key) != value)
+            raise UserError(
+                f"{resumed_from}: this run's batches were drawn with other settings ({changed}); resuming would "
+                f"change which sentences make a step. Put the settings back to resume exactly, or delete "
+                f"{job.run_dir} to start afresh")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         progress = Progress(**state["progress"])
         torch.set_rng_state(state["rng"]["torch"])
 
-    world = dist.world_size
-    accumulation = accumulation_steps(settings.tokens_per_step, settings.device_tokens, world)
     training_model: torch.nn.Module = model
     if world > 1:
+        # the sinusoid table is the only buffer and never changes: nothing to broadcast
         training_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     if settings.compile:
         training_model = torch.compile(training_model)
 
@@ -350,37 +416,40 @@ def train(job: TrainJob) -> dict:
         tracker = Tracker(job.run_dir, job.tracking_uri, job.experiment,
                           run_name=f"{job.preset['name']}-seed{job.seed}", enabled=job.track)
         params = flatten("", {"preset": job.preset, "train": job.train_section, "seed": job.seed}, {})
-        params.update({"model.parameters": str(model.num_parameters()), "world_size": str(world),
-                       "accumulation": str(accumulation)})
+        params.update({"model.parameters": str(model.num_parameters()), "world_size": str(world)})
         tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": git_commit(),
                 "data_fingerprint": data_fingerprint, "vocab_fingerprint": vocab_fingerprint, "device": device_name,
                 "table": job.preset.get("paper", {}).get("table", ""), "stage": "train"}
         tracker.start(params, tags)
         if resumed_from:
-            print(f"resuming from {resumed_from} (step {progress.step})", file=sys.stderr)
+            print(f"resuming from {resumed_from} (step {progress.step}) on {world} process(es)", file=sys.stderr)
 
     stop = StopFlag()
     stop.install()
     peak = peak_flops(device)
     last_checkpoint_time = time.monotonic()
-    batches = length_batches(train_split.src_lengths, train_split.tgt_lengths, settings.device_tokens,
-                             seed=settings.seed, epoch=progress.epoch)
-    if not batches:
+    source = StepSource(train_split, settings)
+    if not source.steps_of(progress.epoch):
         raise UserError(f"{job.train_data}: no training pairs")
 
-    def save(step_progress: Progress) -> Path:
-        path = checkpoint_path(checkpoint_dir, step_progress.step)
+    def save(step_progress: Progress, window: bool) -> Path:
+        path = checkpoint_path(checkpoint_dir, step_progress.step, window)
         save_model({
             "format": CHECKPOINT_FORMAT, "step": step_progress.step, "model_config": model_config.to_dict(),
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "schedule": {"kind": "inverse_sqrt_warmup", "d_model": model_config.d_model,
                          "warmup_steps": settings.warmup_steps, "scale": settings.lr_scale},
             "progress": vars(step_progress).copy(), "rng": {"torch": torch.get_rng_state()},
+            "batch_rule": settings.batch_rule(), "window": window,
             "config": {"preset": job.preset, "train": job.train_section, "seed": job.seed},
             "vocab_fingerprint": vocab_fingerprint, "data_fingerprint": data_fingerprint,
         }, path)
+        # keep the window checkpoints that averaging needs, and a safety checkpoint only while it is the newest
         for _, old in list_checkpoints(checkpoint_dir)[:-settings.keep_checkpoints]:
             old.unlink(missing_ok=True)
+        for old_step, old in list_checkpoints(checkpoint_dir, safety=True):
+            if old.name.startswith("safety_") and old != path:
+                old.unlink(missing_ok=True)
         return path
 
     from tqdm import tqdm
@@ -390,35 +459,26 @@ def train(job: TrainJob) -> dict:
     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "src_tokens": 0, "padded": 0, "real": 0, "time": 0.0,
               "flops": 0.0, "steps": 0}
     start_step = progress.step
+    budget = settings.max_minutes * 60 if settings.max_minutes else math.inf
     status = "FAILED"
     try:
         training_model.train()
-        while progress.step < settings.steps:
+        while progress.step < settings.steps and progress.wall_seconds < budget:
+            loop_start = time.monotonic()
             step_start = time.perf_counter()
             step = progress.step + 1
-            group = []
-            while len(group) < accumulation * world:
-                if progress.cursor >= len(batches):
-                    progress.epoch += 1
-                    progress.cursor = 0
-                    batches = length_batches(train_split.src_lengths, train_split.tgt_lengths,
-                                             settings.device_tokens, seed=settings.seed, epoch=progress.epoch)
-                group.append(batches[progress.cursor])
-                progress.cursor += 1
-            mine = [(index, rows) for index, rows in enumerate(group) if index % world == dist.rank]
-            micro = [(index, collate(train_split, rows)) for index, rows in mine]
-            local = [sum(b.tgt_tokens for _, b in micro), sum(b.src_tokens for _, b in micro),
-                     sum(b.padded_tokens for _, b in micro), sum(b.tgt_tokens + b.src_tokens for _, b in micro),
-                     sum(forward_flops(model_config, b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for _, b in micro)]
-            step_tokens, step_src_tokens, padded, real, flops = dist.all_sum(local, device)
+            micro, shape = source.next(progress)
+            # every process knows the whole step's sizes: no communication before the forward pass
+            flops = sum(forward_flops(model_config, *dims) for dims in shape.shapes)
+            mine = [(index, rows) for index, rows in enumerate(micro) if index % world == dist.rank]
             lr = learning_rate(step, model_config.d_model, settings.warmup_steps, settings.lr_scale)
             for group_params in optimizer.param_groups:
                 group_params["lr"] = lr
-            sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll: one sync per step, not per batch
-            for position, (index, batch) in enumerate(micro):
-                batch = batch.to(device)
+            sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, nll, grad norm, stop, budget
+            for position, (index, rows) in enumerate(mine):
+                batch = collate(train_split, rows).to(device)
                 torch.manual_seed(micro_batch_seed(settings.seed, step, index))
-                last = position == len(micro) - 1
+                last = position == len(mine) - 1
                 sync = contextlib.nullcontext() if (world == 1 or last) else training_model.no_sync()
                 with sync:
                     with autocast_context(device, settings.precision):
@@ -426,39 +486,53 @@ def train(job: TrainJob) -> dict:
                     loss, nll = label_smoothed_loss(logits, batch.tgt_out, settings.label_smoothing)
                     # DDP averages gradients over processes; scale so that the result is the sum
                     # over the whole step's target tokens divided by their number.
-                    (loss * (world / step_tokens)).backward()
-                sums += torch.stack([loss.detach(), nll.detach()]).double()
+                    (loss * (world / shape.real_tgt)).backward()
+                sums[:2] += torch.stack([loss.detach(), nll.detach()]).double()
+            # measured, not clipped (the paper does not clip); the same on every process after DDP
+            sums[2] = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).double() / world
+            stopping = stop.signal is not None or (job.stop_after_steps is not None
+                                                   and step - start_step >= job.stop_after_steps)
+            sums[3] = float(stopping)
+            sums[4] = float(progress.wall_seconds + time.monotonic() - loop_start >= budget)
             if world > 1:
                 torch.distributed.all_reduce(sums)
-            loss_sum, nll_sum = sums.tolist()
-            if not math.isfinite(loss_sum):
+            # the step's one host-device synchronisation: every process agrees to go on or to stop
+            loss_sum, nll_sum, grad_norm, stop_votes, budget_votes = sums.tolist()
+            stopping = stop_votes > 0
+            last = step == settings.steps or budget_votes > 0
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+                what = "training loss" if not math.isfinite(loss_sum) else "gradient norm"
+                value = loss_sum if not math.isfinite(loss_sum) else grad_norm
                 raise TrainingDiverged(
-                    f"the training loss became {loss_sum} at step {step} (preset {job.preset['name']}); the last "
+                    f"the {what} became {value} at step {step} (preset {job.preset['name']}); the last "
                     f"good checkpoint is kept in {checkpoint_dir}. Lower lr_scale or raise warmup_steps, "
                     "then rerun to resume from it"
                 )
-            # measured, not clipped (the paper does not clip); read only when logged, to avoid a sync
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             progress.step = step
-            progress.target_tokens += int(step_tokens)
-            progress.source_tokens += int(step_src_tokens)
+            progress.target_tokens += shape.real_tgt
+            progress.source_tokens += shape.real_src
+            progress.padded_target_tokens += shape.padded_tgt
+            progress.padded_source_tokens += shape.padded_src
             progress.train_flops += 3.0 * flops  # backward is about twice the forward
             elapsed = time.perf_counter() - step_start
             progress.elapsed_seconds += elapsed
-            for key, value in (("loss", loss_sum), ("nll", nll_sum), ("tokens", step_tokens),
-                               ("src_tokens", step_src_tokens), ("padded", padded), ("real", real),
-                               ("time", elapsed), ("flops", 3.0 * flops), ("steps", 1)):
+            for key, value in (("loss", loss_sum), ("nll", nll_sum), ("tokens", shape.real_tgt),
+                               ("src_tokens", shape.real_src), ("padded", shape.padded_src + shape.padded_tgt),
+                               ("real", shape.real_src + shape.real_tgt), ("time", elapsed), ("flops", 3.0 * flops),
+                               ("steps", 1)):
                 window[key] += value
             bar.update(1)
-            if dist.is_main and (step % settings.log_every == 0 or step == settings.steps):
+            if dist.is_main and (step % settings.log_every == 0 or last):
                 tokens_per_second = window["tokens"] / max(window["time"], 1e-9)
                 metrics = {
                     "train_loss": window["loss"] / window["tokens"], "train_nll": window["nll"] / window["tokens"],
                     "train_ppl": math.exp(min(window["nll"] / window["tokens"], 50.0)), "lr": lr,
-                    "grad_norm": grad_norm.item(), "target_tokens_per_second": tokens_per_second,
+                    "grad_norm": grad_norm, "target_tokens_per_second": tokens_per_second,
                     "tokens_per_step": window["tokens"] / window["steps"],
+                    "real_src_tokens_per_step": window["src_tokens"] / window["steps"],
+                    "real_tgt_tokens_per_step": window["tokens"] / window["steps"],
                     "padding_efficiency": window["real"] / max(window["padded"], 1),
                     "train_flops": progress.train_flops, "epoch": progress.epoch,
                 }
@@ -472,20 +546,21 @@ def train(job: TrainJob) -> dict:
                                settings.label_smoothing)
                 progress.dev_history.append({"step": step, **dev})
                 tracker.log_metrics(dev, step)
-            due_steps = settings.checkpoint_steps and step % settings.checkpoint_steps == 0
+            progress.wall_seconds += time.monotonic() - loop_start
+            # a run that ends at its time budget ends normally: its last step joins the window
+            in_window = is_window_step(step, settings.steps, settings.checkpoint_steps) or last
             due_time = settings.checkpoint_minutes and \
                 time.monotonic() - last_checkpoint_time >= settings.checkpoint_minutes * 60
-            stopping = stop.signal is not None or (job.stop_after_steps is not None
-                                                   and step - start_step >= job.stop_after_steps)
-            # every rank must agree to stop, or the others wait forever in the next all-reduce
-            stopping = bool(dist.all_sum([float(stopping)], device)[0])
-            if dist.is_main and (due_steps or due_time or step == settings.steps or stopping):
-                save(progress)
+            if dist.is_main and (in_window or due_time or stopping):
+                save(progress, window=in_window)
                 last_checkpoint_time = time.monotonic()
-            if stopping and step < settings.steps:
+            if last:
+                break
+            if stopping:
                 status = "KILLED"
                 raise Preempted(f"stopped at step {step}; checkpoint written to {checkpoint_dir}")
         bar.close()
+        stopped_by = "steps" if progress.step >= settings.steps else "max_minutes"
         summary = {}
         if dist.is_main:
             final_dev = evaluate(model, dev_split, device, settings.precision, settings.device_tokens,
@@ -500,15 +575,16 @@ def train(job: TrainJob) -> dict:
             summary = {
                 "preset": job.preset["name"], "seed": job.seed, "step": progress.step, "epochs": progress.epoch,
                 "parameters": model.num_parameters(), "target_tokens": progress.target_tokens,
-                "source_tokens": progress.source_tokens, "train_flops": progress.train_flops,
-                "train_hours": progress.elapsed_seconds / 3600, "world_size": world,
-                "device": device_name, "mlflow_run_id": tracker.run_id,
+                "source_tokens": progress.source_tokens, **progress.per_step(), "train_flops": progress.train_flops,
+                "train_hours": progress.elapsed_seconds / 3600, "wall_hours": progress.wall_seconds / 3600,
+                "planned_steps": settings.steps, "stopped_by": stopped_by, "world_size": world,
+                "device": device_name, "device_peak_flops": peak, "mlflow_run_id": tracker.run_id,
                 "tracking_uri": tracker.uri, "experiment": job.experiment, **{k: v for k, v in final_dev.items()},
                 "dev_history": progress.dev_history, "vocab_fingerprint": vocab_fingerprint,
                 "data_fingerprint": data_fingerprint,
             }
-            tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"]},
-                                progress.step)
+            tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"],
+                                 **progress.per_step()}, progress.step)
             write_json_atomic(job.run_dir / "final.json", summary)
         status = "FINISHED"
         return summary
@@ -516,23 +592,65 @@ def train(job: TrainJob) -> dict:
         bar.close()
         if tracker is not None:
             tracker.end(status)
-        if world > 1:
+        if world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _relaunch_under_torchrun(gpus: int, argv: list[str]) -> int | None:
-    """With several GPUs asked for and present, re-run this command as one process per GPU."""
-    if os.environ.get("WORLD_SIZE") or gpus <= 1 or not torch.cuda.is_available():
-        return None
-    count = min(gpus, torch.cuda.device_count())
-    if count <= 1:
-        return None
-    import subprocess
+def check_layout(processes: int, preset: dict) -> None:
+    """A step is split into a multiple of the preset's gpus micro-batches: more processes would idle."""
+    layout = max(1, int(preset.get("gpus", 0)))
+    if processes > layout:
+        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: "
+                        f"{layout}, so a step has too few micro-batches for every process; set the preset's "
+                        f"gpus to {processes} (or run {layout} processes or fewer)")
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={count}",
-               "-m", "aiayn.train", *argv]
-    print(f"training on {count} GPUs: {' '.join(command)}", file=sys.stderr)
-    return subprocess.call(command)
+
+def processes_to_launch(requested: int | None, device: str, gpus: int) -> int:
+    """Processes for this node: ``--processes``, else one per GPU the preset asks for and the node has."""
+    if os.environ.get("WORLD_SIZE"):
+        return 1  # already one of torchrun's workers
+    if requested:
+        return requested
+    if device == "cpu" or gpus <= 1 or not torch.cuda.is_available():
+        return 1
+    return min(gpus, torch.cuda.device_count())
+
+
+def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path) -> int:
+    """Re-run this command as ``processes`` workers under torchrun; returns the job's exit status.
+
+    torchrun reports any failed worker as status 1, so rank 0 leaves its own status in a file
+    and that is returned: a preempted run still exits 75 and is retried. SIGTERM and SIGUSR1
+    (a time limit, a preemption) are passed on to torchrun, which passes them to the workers.
+    """
+    import subprocess
+    import tempfile
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=run_dir, prefix=".torchrun-") as scratch:
+        status_file = Path(scratch) / "status"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                   "-m", "aiayn.train", *argv]
+        print(f"training as {processes} processes: {' '.join(command)}", file=sys.stderr, flush=True)
+        child = subprocess.Popen(command, env={**os.environ, "AIAYN_STATUS_FILE": str(status_file)})
+        forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            returncode = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if status_file.exists():
+            return int(status_file.read_text())
+        return returncode
+
+
+def _report_status(status: int) -> int:
+    """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
+    target = os.environ.get("AIAYN_STATUS_FILE")
+    if target and os.environ.get("RANK", "0") == "0":
+        Path(target).write_text(str(status))
+    return status
 
 
 @cli
@@ -550,7 +668,11 @@ def main(argv=None):
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("--no-tracking", action="store_true", help="metrics.jsonl only, no MLflow")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: leave torch's default)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="overrides train.device (auto: a GPU when there is one and the preset has gpus > 0)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="data-parallel processes on this node under torchrun (default: one per GPU, "
+                             "up to the preset's gpus; 1 on the CPU)")
     parser.add_argument("--stop-after-steps", type=int, default=None,
                         help="checkpoint and exit with status 75 after this many steps (resume by rerunning)")
     args = parser.parse_args(argv)
@@ -559,9 +681,13 @@ def main(argv=None):
         train_section = json.loads(args.train_json)
     except json.JSONDecodeError as error:
         raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
-    relaunched = _relaunch_under_torchrun(int(preset.get("gpus", 0)), argv)
-    if relaunched is not None:
-        return relaunched
+    if args.processes is not None and args.processes < 1:
+        raise UserError(f"--processes {args.processes}: give 1 or more")
+    device = args.device if args.device != "auto" else train_section.get("device", "auto")
+    processes = processes_to_launch(args.processes, device, int(preset.get("gpus", 0)))
+    if processes > 1:
+        check_layout(processes, preset)
+        return _relaunch_under_torchrun(processes, argv, args.run_dir)
     threads = args.threads or train_section.get("threads", 0)
     if threads:
         torch.set_num_threads(threads)
@@ -571,10 +697,13 @@ def main(argv=None):
         summary = train(job)
     except Preempted as stopped:
         print(f"{stopped}; rerun the same command to resume", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return _report_status(EXIT_PREEMPTED)
+    except UserError:
+        _report_status(2)
+        raise
     if summary:
         print(json.dumps({k: v for k, v in summary.items() if k != "dev_history"}, indent=2))
-    return 0
+    return _report_status(0)
 
 
 if __name__ == "__main__":

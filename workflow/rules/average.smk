@@ -6,10 +6,12 @@ rule average:
     params:
         last=lambda w: preset(w)["average_last"],
         checkpoint_dir=lambda w: f"{run_dir(w)}/checkpoints",
+        tracking_uri=config["tracking_uri"],
     log:
         f"{RESULTS}/logs/average/{{model}}/seed{{seed}}.log",
     resources:
         mem_mb=16000,
         runtime=30,
     shell:
-        "aiayn average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output} > {log} 2>&1"
+        "aiayn average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output} "
+        "--log-to-run {input} --tracking-uri {params.tracking_uri:q} > {log} 2>&1"
