@@ -9,7 +9,7 @@
 #   1. the bf16 matmul ceiling
 #   2. the demo DAG at GPU size (config/gpu_check.yaml) through snakemake: training and decoding on the
 #      device in bf16, MLflow into sqlite, averaging, scoring, the report; then the report's tables
-#   3. DDP: 20 steps in 1 process and in 2 under torchrun sharing the GPU (gloo); the same real tokens a step
+#   3. DDP: 20 steps in 1 process and in 2 (torchrun) sharing the GPU (gloo); the same real tokens a step
 #   4. training throughput of base and big on 25000-token steps, eager then compiled: tokens/s, MFU and
 #      the projected hours for 100K (base) and 300K (big) steps
 #   5. beam-search decoding speed, newstest2014-shaped (3003 sentences), beam 4, bf16
@@ -94,7 +94,7 @@ else  # the same commands at toy sizes; torch.compile traced only (its eager bac
 data: {demo: {seed: 3, train: 1200, dev: 30, test: 30}}
 bpe: {vocab_size: 300}
 binarize: {workers: 1}
-train: {tokens_per_step: 1000, device_tokens: 500, log_every: 5, dev_every: 0, threads: 1}
+train: {device: cpu, tokens_per_step: 1000, device_tokens: 500, log_every: 5, dev_every: 0, threads: 1}
 decode: {beam_size: 2, tokens_per_batch: 2000, max_len_b: 10}
 models: [gpu_base]
 presets:

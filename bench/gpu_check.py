@@ -3,8 +3,8 @@
     matmul   the device's bf16 matrix-product ceiling (TFLOP/s)
     summary  what the demo DAG left: where each run trained and decoded, the MLflow runs in the sqlite
              store, then the report's tables
-    ddp      the same few training steps in 1 process and in N under torchrun (on one GPU they share it,
-             over gloo): each must see the same real tokens per optimizer step
+    ddp      the same few training steps in 1 process and in N (`aiayn train --processes N`, torchrun;
+             on one GPU they share it, over gloo): each must see the same real tokens per optimizer step
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def summary(args: argparse.Namespace) -> int:
         final = json.loads(final_path.read_text())
         seconds = final["train_hours"] * 3600
         print(f"  {final['preset']} seed {final['seed']}: {final['step']} steps on {final['device']}, "
+              f"{final['real_src_tokens_per_step']:.0f} + {final['real_tgt_tokens_per_step']:.0f} real tokens a step, "
               f"{final['target_tokens'] / max(seconds, 1e-9):.0f} target tokens/s over {seconds:.0f} s, "
               f"dev ppl {final.get('dev_ppl', float('nan')):.2f}, mlflow run {final.get('mlflow_run_id')}")
         if (final["device"] == "cpu") != (args.expect_device == "cpu"):
@@ -90,32 +91,28 @@ def ddp(args: argparse.Namespace) -> int:
     config = load_config([workdir / path for path in args.configs])
     results = workdir / "results" / config["experiment"]
     preset = resolve_preset(config, args.preset)
-    preset.update(steps=args.steps, checkpoint_steps=args.steps, keep_checkpoints=1)
-    train = dict(config["train"])
-    # 1 process accumulates N micro-batches a step, N processes one each: the same batches either way
-    train.update(tokens_per_step=args.procs * train["device_tokens"], dev_every=0, log_every=args.steps)
-    common = ["--preset-json", to_json(preset), "--train-json", to_json(train), "--seed", "1",
-              "--train-data", str(results / "bin" / "train"), "--spm-model", str(results / "bpe" / "spm.model"),
-              "--no-tracking", "--device", args.device, "--threads", str(args.threads)]
-    launchers = {1: [sys.executable, "-m", "aiayn.train"],
-                 args.procs: [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc_per_node={args.procs}", "-m", "aiayn.train"]}
+    # the preset laid out for N processes: a step is split into a multiple of N micro-batches, the same
+    # micro-batches whether 1 process accumulates them or N share them
+    preset.update(steps=args.steps, checkpoint_steps=args.steps, keep_checkpoints=1, gpus=args.procs)
+    train = {**config["train"], "dev_every": 0, "log_every": args.steps, "device": args.device}
+    common = [sys.executable, "-m", "aiayn.train", "--preset-json", to_json(preset), "--train-json", to_json(train),
+              "--seed", "1", "--train-data", str(results / "bin" / "train"),
+              "--spm-model", str(results / "bpe" / "spm.model"), "--no-tracking", "--threads", str(args.threads)]
     per_step = {}
-    for world, launcher in launchers.items():
+    for world in (1, args.procs):  # --processes N > 1: aiayn train relaunches itself under torchrun
         run_dir = workdir / "ddp" / f"world{world}"
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "train.log"
         start = time.perf_counter()
         with log.open("w") as handle:
-            status = subprocess.run([*launcher, *common, "--run-dir", str(run_dir)], stdout=handle,
+            status = subprocess.run([*common, "--processes", str(world), "--run-dir", str(run_dir)], stdout=handle,
                                     stderr=subprocess.STDOUT).returncode
         if status != 0:
             print(f"{world} process(es): exit status {status}; the end of {log}:\n{log.read_text()[-3000:]}")
             return 1
         final = json.loads((run_dir / "final.json").read_text())
         steps = final["step"]
-        source = final.get("real_src_tokens_per_step", final["source_tokens"] / steps)
-        target = final.get("real_tgt_tokens_per_step", final["target_tokens"] / steps)
+        source, target = final["real_src_tokens_per_step"], final["real_tgt_tokens_per_step"]
         per_step[world] = (source, target)
         print(f"{final['world_size']} process(es) on {final['device']}: {steps} steps, real tokens per step "
               f"{source:.1f} source + {target:.1f} target, {final['train_hours'] * 3600:.1f} s training "
