@@ -9,6 +9,7 @@ are built into a wheel here. PuLP is left out: it serves only Snakemake's ILP sc
 solver binary), and gpu.sh runs `--scheduler greedy`.
 
     .venv/bin/python bench/gpu_wheels.py --python-version 3.12 --dest .whl
+    .venv/bin/python bench/gpu_wheels.py --image    # what we use of the image: to mimic it in a fresh venv
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 # What the pipeline imports beyond the image: the workflow engine, MLflow's sqlite store, Moses tokenisation.
 ROOTS = ["snakemake", "mlflow-skinny", "mlflow-tracing", "sqlalchemy", "alembic", "sacremoses"]
 LEFT_OUT = {"pulp"}
+# What the pipeline imports that the image has (not `datasets`: the demo corpus is generated; not the
+# slurm plugin; not full `mlflow`, whose server the sqlite store does not need).
+USED_FROM_IMAGE = ["torch", "sentencepiece", "sacrebleu", "pandas", "pyarrow", "matplotlib", "tqdm", "pyyaml",
+                   "psutil"]
 
 # The GPU image's Python packages (../.library/device/KINDS.md, "Python packages already there", read 2026-11-17).
 IMAGE = set("""
@@ -85,6 +90,13 @@ def carried(roots: list[str] = ROOTS) -> dict[str, str]:
             if name not in image and name not in LEFT_OUT}
 
 
+def from_image() -> dict[str, str]:
+    """name -> the lock's version, for each package the pipeline needs that the image already has."""
+    image = {normalise(name) for name in IMAGE}
+    needed = closure(ROOTS + USED_FROM_IMAGE)
+    return {name: importlib.metadata.version(name) for name in sorted(needed) if name in image}
+
+
 def download(pins: dict[str, str], python_version: str, dest: Path) -> None:
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     platforms = [option for platform in PLATFORMS for option in ("--platform", platform)]
@@ -110,10 +122,13 @@ def main(argv=None) -> int:
     parser.add_argument("--python-version", default="3.12", help="the GPU image's Python (3.12)")
     parser.add_argument("--dest", type=Path, default=REPO / ".whl")
     parser.add_argument("--list", action="store_true", help="print name==version a line and download nothing")
+    parser.add_argument("--image", action="store_true",
+                        help="print name==version of what the pipeline uses that the image has, and download nothing")
     args = parser.parse_args(argv)
     pins = carried()
-    if args.list:
-        print("\n".join(f"{name}=={version}" for name, version in pins.items()))
+    if args.list or args.image:
+        listed = from_image() if args.image else pins
+        print("\n".join(f"{name}=={version}" for name, version in listed.items()))
         return 0
     shutil.rmtree(args.dest, ignore_errors=True)
     args.dest.mkdir(parents=True)
