@@ -37,7 +37,7 @@ def final_weights(run_dir):
 
 def test_learning_rate_follows_the_paper_at_steps_1_4000_and_100000():
     assert learning_rate(1, 512, 4000) == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
-    assert learning_rate(4000, 512, 4000) == pytest.approx(6.99e-4, rel=1e-3)   # PAPER.md: peak 6.99e-4 (base)
+    assert learning_rate(4000, 512, 4000) == pytest.approx(6.99e-4, rel=1e-3)   # docs/PAPER.md: peak 6.99e-4 (base)
     assert learning_rate(4000, 1024, 4000) == pytest.approx(4.94e-4, rel=1e-3)  # and 4.94e-4 (big)
     assert learning_rate(100000, 512, 4000) == pytest.approx(512 ** -0.5 * 100000 ** -0.5)
     assert learning_rate(3999, 512, 4000) < learning_rate(4000, 512, 4000) > learning_rate(4001, 512, 4000)

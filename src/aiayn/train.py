@@ -1,6 +1,6 @@
 """The train stage: one model preset, trained the paper's way, resumable, tracked in MLflow.
 
-PAPER.md, Training: Adam(0.9, 0.98, 1e-9), ``lrate = d_model^-0.5 * min(step^-0.5,
+docs/PAPER.md, Training: Adam(0.9, 0.98, 1e-9), ``lrate = d_model^-0.5 * min(step^-0.5,
 step * warmup^-1.5)``, label smoothing, about 25000 source + 25000 target tokens a step (the same micro-batches on
 any number of devices, see ``aiayn.batching.step_batches``), window checkpoints at the paper's
 step interval for averaging. Runs as one process on a CPU or GPU, or as several under
@@ -52,7 +52,7 @@ class Preempted(Exception):
 # --- the paper's objective and schedule --------------------------------------------------
 
 def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
-    """PAPER.md, Training: lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)."""
+    """docs/PAPER.md, Training: lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)."""
     step = max(step, 1)
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
 
