@@ -282,3 +282,55 @@ def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(pr
     window = [path.name for path in last_checkpoints(tmp_path / "run" / "checkpoints", 3)]
     assert window[-1] == f"step_{summary['step']:08d}.pt"  # the last step is averaged, no safety file
     assert not list((tmp_path / "run" / "checkpoints").glob("safety_*"))
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(prepared, tmp_path, capsys):
+    from aiayn.train import Preempted
+
+    train(job(prepared, tmp_path / "straight"))
+    with pytest.raises(Preempted):
+        train(job(prepared, tmp_path / "run", stop_after_steps=3))
+    newest = tmp_path / "run" / "checkpoints" / "safety_00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # killed while writing
+    summary = train(job(prepared, tmp_path / "run"))
+    assert summary["step"] == 6
+    assert "skipping safety_00000003.pt" in capsys.readouterr().err
+    straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "run")
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_second_trainer_on_a_run_folder_in_use_refuses_naming_the_first(prepared, tmp_path):
+    preset = tiny_preset(steps=100000, checkpoint_steps=100000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(_train_command(prepared, tmp_path / "run", preset, TRAIN_SECTION), env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = _run(_train_command(prepared, tmp_path / "run", preset, TRAIN_SECTION))
+        assert second.returncode == 2
+        assert f"being trained by another process (pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 75
+
+
+def test_a_run_resumed_after_a_kill_logs_each_step_once(prepared, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from aiayn.train import Preempted
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(Preempted):
+        train(job(prepared, tmp_path / "run", track=True, tracking_uri=uri, stop_after_steps=5,
+                  train={"log_every": 1}))
+    # as if killed before the step-5 checkpoint was written: the rerun recomputes step 5 from step 4
+    (tmp_path / "run" / "checkpoints" / "safety_00000005.pt").unlink()
+    summary = train(job(prepared, tmp_path / "run", track=True, tracking_uri=uri, train={"log_every": 1}))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
+    history = MlflowClient(uri).get_metric_history(summary["mlflow_run_id"], "train_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]

@@ -18,8 +18,10 @@ from typing import Any, Callable
 
 from aiayn.config import REPO_ROOT
 from aiayn.errors import UserError
+from aiayn.fileio import write_text_atomic
 
 RUN_ID_FILE = "mlflow_run_id"
+MLFLOW_STEP_FILE = "mlflow_logged_step"
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -132,7 +134,12 @@ def experiment_id_for(client, name: str) -> str:
 
 
 class Tracker:
-    """One MLflow run per trained model (rank 0 only), and ``metrics.jsonl`` always."""
+    """One MLflow run per trained model (rank 0 only), and ``metrics.jsonl`` always.
+
+    A resumed run recomputes the steps between its checkpoint and the kill; their metrics were
+    logged already, so each sink skips the steps it holds (``metrics.jsonl``'s last step, and the
+    last step flushed to MLflow, kept in ``mlflow_logged_step``): every step is logged once.
+    """
 
     def __init__(self, run_dir: str | Path, tracking_uri: str | None, experiment: str, run_name: str,
                  enabled: bool = True, system_metrics: bool = True):
@@ -146,11 +153,18 @@ class Tracker:
         self.run_id: str | None = None
         self._pending: list = []
         self._jsonl = None
+        self._logged_step = -1  # the last step each sink holds from an earlier process of this run
+        self._mlflow_logged_step = -1
 
     # lifecycle ---------------------------------------------------------------------------
     def start(self, params: dict[str, str], tags: dict[str, str]) -> str | None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._logged_step = _last_logged_step(self.run_dir / "metrics.jsonl")
+        marker = self.run_dir / MLFLOW_STEP_FILE
+        self._mlflow_logged_step = int(marker.read_text()) if marker.exists() else -1
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if self._jsonl.tell() and not (self.run_dir / "metrics.jsonl").read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # end a line a kill cut short, so the next record starts its own
         if not self.enabled:
             return None
         try:
@@ -210,10 +224,10 @@ class Tracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
-        if self._jsonl is not None:
+        if self._jsonl is not None and step > self._logged_step:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
-        if self.enabled and self.client is not None:
+        if self.enabled and self.client is not None and step > self._mlflow_logged_step:
             from mlflow.entities import Metric
 
             stamp = int(record["time"] * 1000)
@@ -228,6 +242,7 @@ class Tracker:
         try:
             for start in range(0, len(pending), 1000):
                 _retry(lambda: self.client.log_batch(self.run_id, metrics=pending[start:start + 1000]), "metrics")
+            write_text_atomic(self.run_dir / MLFLOW_STEP_FILE, f"{max(metric.step for metric in pending)}\n")
         except Exception as error:
             # a store that goes away must not stop training: the JSONL copy has every metric
             print(f"warning: MLflow logging failed ({error}); metrics kept in metrics.jsonl", file=sys.stderr)
@@ -257,6 +272,18 @@ class Tracker:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def _last_logged_step(path: Path) -> int:
+    """The highest step in a ``metrics.jsonl`` (-1 if none); a line cut short by a kill is ignored."""
+    last = -1
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
 
 
 def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics: dict[str, float],

@@ -427,12 +427,21 @@ class Trainer:
                            **model_fields(self.job.preset))
 
     def _resume(self) -> Path | None:
-        """Load the newest checkpoint (window or safety), after checking that it is this run's."""
-        existing = list_checkpoints(self.checkpoint_dir, safety=True)
-        if not existing:
+        """Load the newest checkpoint that loads (window or safety), after checking that it is this run's.
+
+        A damaged newest file (a job killed while the file system was writing it) is skipped, saying so.
+        """
+        state = path = None
+        for _, candidate in reversed(list_checkpoints(self.checkpoint_dir, safety=True)):
+            try:
+                state, path = load_checkpoint(candidate), candidate
+                break
+            except UserError as error:
+                if self.dist.is_main:
+                    print(f"warning: skipping {candidate.name}, which does not load ({error}); resuming from an "
+                          "older checkpoint", file=sys.stderr)
+        if state is None:
             return None
-        path = existing[-1][1]
-        state = load_checkpoint(path)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise UserError(f"{path}: not a training checkpoint; move it out of {self.checkpoint_dir}")
         if state["model_config"] != self.model_config.to_dict():
@@ -729,6 +738,31 @@ def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path) -> 
         return returncode
 
 
+def hold_run_lock(run_dir: Path):
+    """One trainer per run folder: an exclusive lock on ``<run_dir>/.lock`` for this process's life.
+
+    A second trainer on the same folder (an orphan of a killed workflow still running, say) would
+    interleave its checkpoints and metrics with the first one's, so it refuses, naming the holder.
+    """
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds {run_dir}/.lock); "
+                        "wait for it to end or stop it (kill -TERM writes a checkpoint), then rerun") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle  # the lock lasts while this stays open
+
+
 def _report_status(status: int) -> int:
     """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
     target = os.environ.get("AIAYN_STATUS_FILE")
@@ -767,6 +801,8 @@ def main(argv=None):
         raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
+    if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
+        lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
     device = args.device if args.device != "auto" else train_section.get("device", "auto")
     processes = processes_to_launch(args.processes, device, int(preset.get("gpus", 0)))
     if processes > 1:
