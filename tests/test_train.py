@@ -334,3 +334,22 @@ def test_a_run_resumed_after_a_kill_logs_each_step_once(prepared, tmp_path):
     assert [r["step"] for r in records if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
     history = MlflowClient(uri).get_metric_history(summary["mlflow_run_id"], "train_loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_source(prepared, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from aiayn.tracking import EXPERIMENT_KIND
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = train(job(prepared, tmp_path / "run", track=True, tracking_uri=uri))
+    client = MlflowClient(uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == EXPERIMENT_KIND
+    assert "Attention Is All You Need" in experiment.tags["mlflow.note.content"]
+    inputs = {entry.dataset.name: entry for entry in run.inputs.dataset_inputs}
+    assert inputs["train"].dataset.digest == summary["data_fingerprint"]
+    assert str(prepared / "bin" / "train") in inputs["train"].dataset.source
+    assert [tag.value for tag in inputs["dev"].tags if tag.key == "mlflow.data.context"] == ["validation"]
+    assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["git_commit"]

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from aiayn.config import REPO_ROOT
 from aiayn.errors import UserError
@@ -117,20 +117,42 @@ def open_client(uri: str):
     return client
 
 
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's kind for training: `mlflow ui` opens on the runs table
+
+
+def experiment_description(name: str) -> str:
+    return (f"aiayn: \"Attention Is All You Need\" (Vaswani et al., 2017) reproduced; experiment `{name}`. One run "
+            "per trained preset and seed (tags `preset`, `seed`, `attempt`), holding the resolved config as "
+            "parameters, training curves, and the BLEU of the later stages. Made by `snakemake --configfile "
+            f"config/<file>.yaml` (the config's `experiment` key is `{name}`); compare runs with `aiayn compare "
+            f"--experiment {name}` or this page's chart view (BLEU against a Table 3 parameter).")
+
+
 def experiment_id_for(client, name: str) -> str:
-    """Get or create. Jobs that start together all find no experiment and all create it; the
-    losers get RESOURCE_ALREADY_EXISTS and read the winner's."""
+    """Get or create, marked as model training and described. Jobs that start together all find no
+    experiment and all create it; the losers get RESOURCE_ALREADY_EXISTS and read the winner's."""
     from mlflow.exceptions import MlflowException
 
     found = _retry(lambda: client.get_experiment_by_name(name), "experiment")
-    if found is not None:
-        return found.experiment_id
-    try:
-        return _retry(lambda: client.create_experiment(name), "create experiment")
-    except MlflowException as error:
-        if error.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return _retry(lambda: client.get_experiment_by_name(name), "experiment").experiment_id
+    if found is None:
+        try:
+            experiment_id = _retry(lambda: client.create_experiment(name), "create experiment")
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment_id = _retry(lambda: client.get_experiment_by_name(name), "experiment").experiment_id
+        tags = {}
+    else:
+        experiment_id, tags = found.experiment_id, found.tags
+    for key, value in (("mlflow.experimentKind", EXPERIMENT_KIND), ("mlflow.note.content", experiment_description(name))):
+        if tags.get(key) != value:
+            _retry(lambda: client.set_experiment_tag(experiment_id, key, value), "experiment tag")
+    return experiment_id
+
+
+def git_tags(commit: str) -> dict[str, str]:
+    """MLflow's standard source tags, so that the runs table's Source column names the commit."""
+    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": "aiayn train", "mlflow.source.git.commit": commit}
 
 
 class Tracker:
@@ -157,7 +179,10 @@ class Tracker:
         self._mlflow_logged_step = -1
 
     # lifecycle ---------------------------------------------------------------------------
-    def start(self, params: dict[str, str], tags: dict[str, str]) -> str | None:
+    def start(self, params: dict[str, str], tags: dict[str, str],
+              datasets: Sequence[tuple[str, str, str, str]] = ()) -> str | None:
+        """Open (or, resuming, reopen) the run. ``datasets``: (name, fingerprint, source, context) of
+        each split trained or evaluated on, logged as MLflow dataset inputs of a new run."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._logged_step = _last_logged_step(self.run_dir / "metrics.jsonl")
         marker = self.run_dir / MLFLOW_STEP_FILE
@@ -191,6 +216,13 @@ class Tracker:
                 items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
                 for start in range(0, len(items), 100):
                     _retry(lambda: self.client.log_batch(self.run_id, params=items[start:start + 100]), "params")
+                if datasets:
+                    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+                    inputs = [DatasetInput(Dataset(name, digest, "local", json.dumps({"uri": source})),
+                                           [InputTag("mlflow.data.context", context)])
+                              for name, digest, source, context in datasets]
+                    _retry(lambda: self.client.log_inputs(self.run_id, datasets=inputs), "dataset inputs")
         except Exception as error:
             if isinstance(error, UserError):
                 raise

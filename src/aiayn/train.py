@@ -474,17 +474,22 @@ class Trainer:
         return model
 
     def _start_tracking(self):
-        from aiayn.tracking import Tracker, flatten, git_commit
+        from aiayn.tracking import Tracker, flatten, git_commit, git_tags
 
         job = self.job
         tracker = Tracker(job.run_dir, job.tracking_uri, job.experiment,
                           run_name=f"{job.preset['name']}-seed{job.seed}", enabled=job.track)
         params = flatten("", {"preset": job.preset, "train": job.train_section, "seed": job.seed}, {})
         params.update({"model.parameters": str(self.model.num_parameters()), "world_size": str(self.world)})
-        tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": git_commit(),
+        commit = git_commit()
+        tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": commit,
                 "data_fingerprint": self.data_fingerprint, "vocab_fingerprint": self.vocab_fingerprint,
-                "device": self.device_name, "table": job.preset.get("paper", {}).get("table", ""), "stage": "train"}
-        tracker.start(params, tags)
+                "device": self.device_name, "table": job.preset.get("paper", {}).get("table", ""), "stage": "train",
+                **git_tags(commit)}
+        datasets = [("train", self.data_fingerprint, str(job.train_data), "training")]
+        if self.dev_split is not None:
+            datasets.append(("dev", self.dev_split.meta.get("data_fingerprint", ""), str(job.dev_data), "validation"))
+        tracker.start(params, tags, datasets)
         if self.resumed_from:
             print(f"resuming from {self.resumed_from} (step {self.progress.step}) on {self.world} process(es)",
                   file=sys.stderr)
