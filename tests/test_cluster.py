@@ -194,7 +194,7 @@ def test_a_training_job_stopped_by_slurm_is_retried_and_resumes(runs):
     stopped = next(job for job in runs["jobs"] if job["JobId"] == runs["preempted"])
     assert stopped["JobState"] == "FAILED"  # training stopped, so the job failed, and Snakemake retried it
     log = (runs["slurm"] / "results/demo/logs/train/demo_base/seed1.log").read_text()
-    assert re.search(r"resuming from \S+step_\d+\.pt \(step \d+\)", log), log[-2000:]
+    assert re.search(r"resuming from \S+(step|safety)_\d+\.pt \(step \d+\)", log), log[-2000:]
 
 
 def test_slurm_and_local_runs_give_the_same_results(runs):

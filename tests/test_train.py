@@ -37,7 +37,7 @@ def final_weights(run_dir):
 
 def test_learning_rate_follows_the_paper_at_steps_1_4000_and_100000():
     assert learning_rate(1, 512, 4000) == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
-    assert learning_rate(4000, 512, 4000) == pytest.approx(6.99e-4, rel=1e-3)   # PAPER.md: peak 6.99e-4 (base)
+    assert learning_rate(4000, 512, 4000) == pytest.approx(6.99e-4, rel=1e-3)   # docs/PAPER.md: peak 6.99e-4 (base)
     assert learning_rate(4000, 1024, 4000) == pytest.approx(4.94e-4, rel=1e-3)  # and 4.94e-4 (big)
     assert learning_rate(100000, 512, 4000) == pytest.approx(512 ** -0.5 * 100000 ** -0.5)
     assert learning_rate(3999, 512, 4000) < learning_rate(4000, 512, 4000) > learning_rate(4001, 512, 4000)
@@ -282,3 +282,74 @@ def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(pr
     window = [path.name for path in last_checkpoints(tmp_path / "run" / "checkpoints", 3)]
     assert window[-1] == f"step_{summary['step']:08d}.pt"  # the last step is averaged, no safety file
     assert not list((tmp_path / "run" / "checkpoints").glob("safety_*"))
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(prepared, tmp_path, capsys):
+    from aiayn.train import Preempted
+
+    train(job(prepared, tmp_path / "straight"))
+    with pytest.raises(Preempted):
+        train(job(prepared, tmp_path / "run", stop_after_steps=3))
+    newest = tmp_path / "run" / "checkpoints" / "safety_00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # killed while writing
+    summary = train(job(prepared, tmp_path / "run"))
+    assert summary["step"] == 6
+    assert "skipping safety_00000003.pt" in capsys.readouterr().err
+    straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "run")
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_second_trainer_on_a_run_folder_in_use_refuses_naming_the_first(prepared, tmp_path):
+    preset = tiny_preset(steps=100000, checkpoint_steps=100000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(_train_command(prepared, tmp_path / "run", preset, TRAIN_SECTION), env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = _run(_train_command(prepared, tmp_path / "run", preset, TRAIN_SECTION))
+        assert second.returncode == 2
+        assert f"being trained by another process (pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 75
+
+
+def test_a_run_resumed_after_a_kill_logs_each_step_once(prepared, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from aiayn.train import Preempted
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(Preempted):
+        train(job(prepared, tmp_path / "run", track=True, tracking_uri=uri, stop_after_steps=5,
+                  train={"log_every": 1}))
+    # as if killed before the step-5 checkpoint was written: the rerun recomputes step 5 from step 4
+    (tmp_path / "run" / "checkpoints" / "safety_00000005.pt").unlink()
+    summary = train(job(prepared, tmp_path / "run", track=True, tracking_uri=uri, train={"log_every": 1}))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [1, 2, 3, 4, 5, 6]
+    history = MlflowClient(uri).get_metric_history(summary["mlflow_run_id"], "train_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_source(prepared, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from aiayn.tracking import EXPERIMENT_KIND
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = train(job(prepared, tmp_path / "run", track=True, tracking_uri=uri))
+    client = MlflowClient(uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == EXPERIMENT_KIND
+    assert "Attention Is All You Need" in experiment.tags["mlflow.note.content"]
+    inputs = {entry.dataset.name: entry for entry in run.inputs.dataset_inputs}
+    assert inputs["train"].dataset.digest == summary["data_fingerprint"]
+    assert str(prepared / "bin" / "train") in inputs["train"].dataset.source
+    assert [tag.value for tag in inputs["dev"].tags if tag.key == "mlflow.data.context"] == ["validation"]
+    assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["git_commit"]

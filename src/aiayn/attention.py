@@ -6,7 +6,7 @@ for one encoder layer from that layer's own modules: a forward pre-hook captures
 input and padding mask during an ordinary ``encode``, then the attention module's ``queries`` and
 ``keys_values`` project it exactly as its forward pass does. Training and decoding never call this.
 
-The pictures (PAPER.md, "Attention pictures"): every head of encoder layer 5 of 6 on the
+The pictures (docs/PAPER.md, "Attention pictures"): every head of encoder layer 5 of 6 on the
 long-distance sentence, and the two heads of that layer that attend most from "its" to "Law" and
 "application" on the anaphora sentence. A model with fewer than 5 layers is shown at its last layer,
 and the title says so.

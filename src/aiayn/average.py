@@ -1,6 +1,6 @@
 """The average stage: the elementwise mean of the last checkpoints' weights (paper, section 6.1).
 
-The paper's base model averages the last 5 checkpoints, the big model the last 20; PAPER.md's
+The paper's base model averages the last 5 checkpoints, the big model the last 20; docs/PAPER.md's
 pitfall 3 puts this at up to 1 BLEU. ``--last K`` takes the last K *window* checkpoints
 (``step_*.pt``, at the paper's step interval); safety checkpoints (``safety_*.pt``) never count. The result is a model file without optimizer state:
 ``{"format": "aiayn-model-v1", "model_config", "model", "vocab_fingerprint",

@@ -1,4 +1,4 @@
-"""Length-bucketed token batches (PAPER.md, Batching: "batched together by approximate sequence length").
+"""Length-bucketed token batches (docs/PAPER.md, Batching: "batched together by approximate sequence length").
 
 Sentences are sorted by length with a seeded random tie-break, cut into batches whose
 *padded* size stays under a token budget on both sides, and the batches are shuffled.

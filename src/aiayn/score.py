@@ -1,7 +1,7 @@
 """The score stage: sacreBLEU, the paper's tokenized BLEU, chrF, and a paired bootstrap test.
 
 Two BLEU numbers are reported side by side because they differ by up to a point and a half
-(PAPER.md, "BLEU", pitfall 1):
+(docs/PAPER.md, "BLEU", pitfall 1):
 
 - ``sacrebleu``: detokenized BLEU with sacreBLEU's defaults (13a tokenizer, case-sensitive,
   exponential smoothing), printed with its signature so anyone can recompute it.

@@ -14,12 +14,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from aiayn.config import REPO_ROOT
 from aiayn.errors import UserError
+from aiayn.fileio import write_text_atomic
 
 RUN_ID_FILE = "mlflow_run_id"
+MLFLOW_STEP_FILE = "mlflow_logged_step"
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -115,24 +117,51 @@ def open_client(uri: str):
     return client
 
 
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's kind for training: `mlflow ui` opens on the runs table
+
+
+def experiment_description(name: str) -> str:
+    return (f"aiayn: \"Attention Is All You Need\" (Vaswani et al., 2017) reproduced; experiment `{name}`. One run "
+            "per trained preset and seed (tags `preset`, `seed`, `attempt`), holding the resolved config as "
+            "parameters, training curves, and the BLEU of the later stages. Made by `snakemake --configfile "
+            f"config/<file>.yaml` (the config's `experiment` key is `{name}`); compare runs with `aiayn compare "
+            f"--experiment {name}` or this page's chart view (BLEU against a Table 3 parameter).")
+
+
 def experiment_id_for(client, name: str) -> str:
-    """Get or create. Jobs that start together all find no experiment and all create it; the
-    losers get RESOURCE_ALREADY_EXISTS and read the winner's."""
+    """Get or create, marked as model training and described. Jobs that start together all find no
+    experiment and all create it; the losers get RESOURCE_ALREADY_EXISTS and read the winner's."""
     from mlflow.exceptions import MlflowException
 
     found = _retry(lambda: client.get_experiment_by_name(name), "experiment")
-    if found is not None:
-        return found.experiment_id
-    try:
-        return _retry(lambda: client.create_experiment(name), "create experiment")
-    except MlflowException as error:
-        if error.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return _retry(lambda: client.get_experiment_by_name(name), "experiment").experiment_id
+    if found is None:
+        try:
+            experiment_id = _retry(lambda: client.create_experiment(name), "create experiment")
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment_id = _retry(lambda: client.get_experiment_by_name(name), "experiment").experiment_id
+        tags = {}
+    else:
+        experiment_id, tags = found.experiment_id, found.tags
+    for key, value in (("mlflow.experimentKind", EXPERIMENT_KIND), ("mlflow.note.content", experiment_description(name))):
+        if tags.get(key) != value:
+            _retry(lambda: client.set_experiment_tag(experiment_id, key, value), "experiment tag")
+    return experiment_id
+
+
+def git_tags(commit: str) -> dict[str, str]:
+    """MLflow's standard source tags, so that the runs table's Source column names the commit."""
+    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": "aiayn train", "mlflow.source.git.commit": commit}
 
 
 class Tracker:
-    """One MLflow run per trained model (rank 0 only), and ``metrics.jsonl`` always."""
+    """One MLflow run per trained model (rank 0 only), and ``metrics.jsonl`` always.
+
+    A resumed run recomputes the steps between its checkpoint and the kill; their metrics were
+    logged already, so each sink skips the steps it holds (``metrics.jsonl``'s last step, and the
+    last step flushed to MLflow, kept in ``mlflow_logged_step``): every step is logged once.
+    """
 
     def __init__(self, run_dir: str | Path, tracking_uri: str | None, experiment: str, run_name: str,
                  enabled: bool = True, system_metrics: bool = True):
@@ -146,11 +175,21 @@ class Tracker:
         self.run_id: str | None = None
         self._pending: list = []
         self._jsonl = None
+        self._logged_step = -1  # the last step each sink holds from an earlier process of this run
+        self._mlflow_logged_step = -1
 
     # lifecycle ---------------------------------------------------------------------------
-    def start(self, params: dict[str, str], tags: dict[str, str]) -> str | None:
+    def start(self, params: dict[str, str], tags: dict[str, str],
+              datasets: Sequence[tuple[str, str, str, str]] = ()) -> str | None:
+        """Open (or, resuming, reopen) the run. ``datasets``: (name, fingerprint, source, context) of
+        each split trained or evaluated on, logged as MLflow dataset inputs of a new run."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._logged_step = _last_logged_step(self.run_dir / "metrics.jsonl")
+        marker = self.run_dir / MLFLOW_STEP_FILE
+        self._mlflow_logged_step = int(marker.read_text()) if marker.exists() else -1
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if self._jsonl.tell() and not (self.run_dir / "metrics.jsonl").read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # end a line a kill cut short, so the next record starts its own
         if not self.enabled:
             return None
         try:
@@ -177,6 +216,13 @@ class Tracker:
                 items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
                 for start in range(0, len(items), 100):
                     _retry(lambda: self.client.log_batch(self.run_id, params=items[start:start + 100]), "params")
+                if datasets:
+                    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+                    inputs = [DatasetInput(Dataset(name, digest, "local", json.dumps({"uri": source})),
+                                           [InputTag("mlflow.data.context", context)])
+                              for name, digest, source, context in datasets]
+                    _retry(lambda: self.client.log_inputs(self.run_id, datasets=inputs), "dataset inputs")
         except Exception as error:
             if isinstance(error, UserError):
                 raise
@@ -210,10 +256,10 @@ class Tracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
-        if self._jsonl is not None:
+        if self._jsonl is not None and step > self._logged_step:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
-        if self.enabled and self.client is not None:
+        if self.enabled and self.client is not None and step > self._mlflow_logged_step:
             from mlflow.entities import Metric
 
             stamp = int(record["time"] * 1000)
@@ -228,6 +274,7 @@ class Tracker:
         try:
             for start in range(0, len(pending), 1000):
                 _retry(lambda: self.client.log_batch(self.run_id, metrics=pending[start:start + 1000]), "metrics")
+            write_text_atomic(self.run_dir / MLFLOW_STEP_FILE, f"{max(metric.step for metric in pending)}\n")
         except Exception as error:
             # a store that goes away must not stop training: the JSONL copy has every metric
             print(f"warning: MLflow logging failed ({error}); metrics kept in metrics.jsonl", file=sys.stderr)
@@ -257,6 +304,18 @@ class Tracker:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def _last_logged_step(path: Path) -> int:
+    """The highest step in a ``metrics.jsonl`` (-1 if none); a line cut short by a kill is ignored."""
+    last = -1
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
 
 
 def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics: dict[str, float],

@@ -1,6 +1,6 @@
 """The train stage: one model preset, trained the paper's way, resumable, tracked in MLflow.
 
-PAPER.md, Training: Adam(0.9, 0.98, 1e-9), ``lrate = d_model^-0.5 * min(step^-0.5,
+docs/PAPER.md, Training: Adam(0.9, 0.98, 1e-9), ``lrate = d_model^-0.5 * min(step^-0.5,
 step * warmup^-1.5)``, label smoothing, about 25000 source + 25000 target tokens a step (the same micro-batches on
 any number of devices, see ``aiayn.batching.step_batches``), window checkpoints at the paper's
 step interval for averaging. Runs as one process on a CPU or GPU, or as several under
@@ -52,7 +52,7 @@ class Preempted(Exception):
 # --- the paper's objective and schedule --------------------------------------------------
 
 def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
-    """PAPER.md, Training: lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)."""
+    """docs/PAPER.md, Training: lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)."""
     step = max(step, 1)
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
 
@@ -198,12 +198,6 @@ class Distributed:
         own_gpu = device.type == "cuda" and local_world <= torch.cuda.device_count()
         torch.distributed.init_process_group("nccl" if own_gpu else "gloo")
 
-    def all_sum(self, values: list[float], device) -> list[float]:
-        if self.world_size == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(tensor)
-        return tensor.tolist()
 
 
 def choose_device(dist: Distributed, requested: str = "auto", gpus: int = 1) -> torch.device:
@@ -310,17 +304,17 @@ def evaluate(model: Transformer, split, device: torch.device, precision: str, ma
     """Dev loss (label-smoothed), NLL and per-token perplexity (Table 3's PPL) over a whole split."""
     was_training = model.training
     model.eval()
-    loss_total = nll_total = tokens = 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll: read once, at the end
+    tokens = 0
     with torch.inference_mode():
         for rows in length_batches(split.src_lengths, split.tgt_lengths, max_tokens):
             batch = collate(split, rows).to(device)
             with autocast_context(device, precision):
                 logits = model(batch.src, batch.tgt_in)
-            loss_sum, nll_sum = label_smoothed_loss(logits, batch.tgt_out, epsilon)
-            loss_total += loss_sum.item()
-            nll_total += nll_sum.item()
+            sums += torch.stack(label_smoothed_loss(logits, batch.tgt_out, epsilon)).double()
             tokens += batch.tgt_tokens
     model.train(was_training)
+    loss_total, nll_total = sums.tolist()
     nll = nll_total / max(tokens, 1)
     return {"dev_loss": loss_total / max(tokens, 1), "dev_nll": nll, "dev_ppl": math.exp(min(nll, 50.0))}
 
@@ -344,256 +338,360 @@ class TrainJob:
     progress_bar: bool = True
 
 
-def _unwrap(model: torch.nn.Module) -> Transformer:
-    model = getattr(model, "module", model)  # DDP
-    return getattr(model, "_orig_mod", model)  # torch.compile
+@dataclass
+class StepOutcome:
+    """What every process agrees on after a step's one synchronisation."""
+
+    loss_sum: float
+    nll_sum: float
+    grad_norm: float
+    stopping: bool  # a signal or --stop-after-steps: checkpoint and exit 75
+    last: bool      # the schedule's last step, or the time budget is spent: end normally
 
 
-def train(job: TrainJob) -> dict:
-    """Train (or resume) one run; returns the summary written to ``final.json``."""
-    from aiayn.config import model_fields
+class LogWindow:
+    """Sums over the steps since the last log line, turned into the logged means."""
 
-    dist = Distributed.from_environment()
-    requested = job.device if job.device != "auto" else job.train_section.get("device", "auto")
-    device = choose_device(dist, requested, int(job.preset.get("gpus", 0)))
-    dist.init(device)
-    settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
-    world = dist.world_size
-    check_layout(world, job.preset)
-    train_split = load_split(job.train_data)
-    dev_split = load_split(job.dev_data) if job.dev_data else None
-    vocab_size = train_split.meta["vocab_size"]  # binarise read it from the vocabulary checked below
-    vocab_fingerprint = train_split.meta["vocab_fingerprint"]
-    if bpe_fingerprint(job.spm_model) != vocab_fingerprint:
-        raise UserError(f"{job.train_data} was binarised with another vocabulary than {job.spm_model}; "
-                        "rerun the binarise stage")
-    data_fingerprint = train_split.meta["data_fingerprint"]
-    model_config = ModelConfig(vocab_size=vocab_size, pad_id=PAD_ID, **model_fields(job.preset))
-    checkpoint_dir = job.run_dir / "checkpoints"
+    KEYS = ("loss", "nll", "tokens", "src_tokens", "padded", "real", "time", "flops", "steps")
 
-    torch.manual_seed(settings.seed)
-    model = Transformer(model_config).to(device)
-    fused = device.type == "cuda"
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=settings.adam_betas, eps=settings.adam_eps,
-                                 fused=fused or None)
-    progress = Progress()
-    resumed_from = None
-    existing = list_checkpoints(checkpoint_dir, safety=True)
-    if existing:
-        resumed_from = existing[-1][1]
-        state = load_checkpoint(resumed_from)
+    def __init__(self):
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+
+    def add(self, outcome: StepOutcome, shape: StepShape, seconds: float, flops: float) -> None:
+        for key, value in (("loss", outcome.loss_sum), ("nll", outcome.nll_sum), ("tokens", shape.real_tgt),
+                           ("src_tokens", shape.real_src), ("padded", shape.padded_src + shape.padded_tgt),
+                           ("real", shape.real_src + shape.real_tgt), ("time", seconds), ("flops", flops),
+                           ("steps", 1)):
+            self.sums[key] += value
+
+    def metrics(self, peak: float | None, world: int) -> dict[str, float]:
+        window = self.sums
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+        nll = window["nll"] / window["tokens"]
+        metrics = {
+            "train_loss": window["loss"] / window["tokens"], "train_nll": nll,
+            "train_ppl": math.exp(min(nll, 50.0)),
+            "target_tokens_per_second": window["tokens"] / max(window["time"], 1e-9),
+            "tokens_per_step": window["tokens"] / window["steps"],
+            "real_src_tokens_per_step": window["src_tokens"] / window["steps"],
+            "real_tgt_tokens_per_step": window["tokens"] / window["steps"],
+            "padding_efficiency": window["real"] / max(window["padded"], 1),
+        }
+        if peak:
+            metrics["mfu"] = window["flops"] / max(window["time"], 1e-9) / (peak * world)
+        return metrics
+
+
+class Trainer:
+    """One run: set up (or resumed) once, then ``run`` repeats the named parts of a step."""
+
+    def __init__(self, job: TrainJob):
+        self.job = job
+        self.dist = Distributed.from_environment()
+        requested = job.device if job.device != "auto" else job.train_section.get("device", "auto")
+        self.device = choose_device(self.dist, requested, int(job.preset.get("gpus", 0)))
+        self.dist.init(self.device)
+        self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
+        self.world = self.dist.world_size
+        check_layout(self.world, job.preset)
+        self.train_split = load_split(job.train_data)
+        self.dev_split = load_split(job.dev_data) if job.dev_data else None
+        self.vocab_fingerprint = self.train_split.meta["vocab_fingerprint"]
+        if bpe_fingerprint(job.spm_model) != self.vocab_fingerprint:
+            raise UserError(f"{job.train_data} was binarised with another vocabulary than {job.spm_model}; "
+                            "rerun the binarise stage")
+        self.data_fingerprint = self.train_split.meta["data_fingerprint"]
+        self.checkpoint_dir = job.run_dir / "checkpoints"
+        self.model_config = self._model_config()
+        torch.manual_seed(self.settings.seed)
+        self.model = Transformer(self.model_config).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=self.settings.adam_betas,
+                                          eps=self.settings.adam_eps, fused=(self.device.type == "cuda") or None)
+        self.progress = Progress()
+        self.resumed_from = self._resume()
+        self.training_model = self._wrap()
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.peak = peak_flops(self.device)
+        self.tracker = self._start_tracking() if self.dist.is_main else None
+        self.source = StepSource(self.train_split, self.settings)
+        if not self.source.steps_of(self.progress.epoch):
+            raise UserError(f"{job.train_data}: no training pairs")
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _model_config(self) -> ModelConfig:
+        from aiayn.config import model_fields
+
+        # binarise read the vocabulary size from the vocabulary whose fingerprint was just checked
+        return ModelConfig(vocab_size=self.train_split.meta["vocab_size"], pad_id=PAD_ID,
+                           **model_fields(self.job.preset))
+
+    def _resume(self) -> Path | None:
+        """Load the newest checkpoint that loads (window or safety), after checking that it is this run's.
+
+        A damaged newest file (a job killed while the file system was writing it) is skipped, saying so.
+        """
+        state = path = None
+        for _, candidate in reversed(list_checkpoints(self.checkpoint_dir, safety=True)):
+            try:
+                state, path = load_checkpoint(candidate), candidate
+                break
+            except UserError as error:
+                if self.dist.is_main:
+                    print(f"warning: skipping {candidate.name}, which does not load ({error}); resuming from an "
+                          "older checkpoint", file=sys.stderr)
+        if state is None:
+            return None
         if state.get("format") != CHECKPOINT_FORMAT:
-            raise UserError(f"{resumed_from}: not a training checkpoint; move it out of {checkpoint_dir}")
-        if state["model_config"] != model_config.to_dict():
-            raise UserError(f"{resumed_from}: its model_config differs from preset {job.preset['name']!r}; "
-                            f"the preset changed since this run started: delete {job.run_dir} to start afresh")
-        saved_rule = state.get("batch_rule", settings.batch_rule())
-        if saved_rule != settings.batch_rule():
-            changed = ", ".join(f"{key} {saved_rule.get(key)} -> {value}" for key, value in settings.batch_rule().items()
+            raise UserError(f"{path}: not a training checkpoint; move it out of {self.checkpoint_dir}")
+        if state["model_config"] != self.model_config.to_dict():
+            raise UserError(f"{path}: its model_config differs from preset {self.job.preset['name']!r}; "
+                            f"the preset changed since this run started: delete {self.job.run_dir} to start afresh")
+        rule = self.settings.batch_rule()
+        saved_rule = state.get("batch_rule", rule)
+        if saved_rule != rule:
+            changed = ", ".join(f"{key} {saved_rule.get(key)} -> {value}" for key, value in rule.items()
                                 if saved_rule.get(key) != value)
             raise UserError(
-                f"{resumed_from}: this run's batches were drawn with other settings ({changed}); resuming would "
+                f"{path}: this run's batches were drawn with other settings ({changed}); resuming would "
                 f"change which sentences make a step. Put the settings back to resume exactly, or delete "
-                f"{job.run_dir} to start afresh")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        progress = Progress(**state["progress"])
+                f"{self.job.run_dir} to start afresh")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.progress = Progress(**state["progress"])
         torch.set_rng_state(state["rng"]["torch"])
+        return path
 
-    training_model: torch.nn.Module = model
-    if world > 1:
-        # the sinusoid table is the only buffer and never changes: nothing to broadcast
-        training_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    if settings.compile:
-        training_model = torch.compile(training_model)
+    def _wrap(self) -> torch.nn.Module:
+        model: torch.nn.Module = self.model
+        if self.world > 1:
+            # the sinusoid table is the only buffer and never changes: nothing to broadcast
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
+        if self.settings.compile:
+            model = torch.compile(model)
+        return model
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    tracker = None
-    if dist.is_main:
-        from aiayn.tracking import Tracker, flatten, git_commit
+    def _start_tracking(self):
+        from aiayn.tracking import Tracker, flatten, git_commit, git_tags
 
+        job = self.job
         tracker = Tracker(job.run_dir, job.tracking_uri, job.experiment,
                           run_name=f"{job.preset['name']}-seed{job.seed}", enabled=job.track)
         params = flatten("", {"preset": job.preset, "train": job.train_section, "seed": job.seed}, {})
-        params.update({"model.parameters": str(model.num_parameters()), "world_size": str(world)})
-        tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": git_commit(),
-                "data_fingerprint": data_fingerprint, "vocab_fingerprint": vocab_fingerprint, "device": device_name,
-                "table": job.preset.get("paper", {}).get("table", ""), "stage": "train"}
-        tracker.start(params, tags)
-        if resumed_from:
-            print(f"resuming from {resumed_from} (step {progress.step}) on {world} process(es)", file=sys.stderr)
+        params.update({"model.parameters": str(self.model.num_parameters()), "world_size": str(self.world)})
+        commit = git_commit()
+        tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": commit,
+                "data_fingerprint": self.data_fingerprint, "vocab_fingerprint": self.vocab_fingerprint,
+                "device": self.device_name, "table": job.preset.get("paper", {}).get("table", ""), "stage": "train",
+                **git_tags(commit)}
+        datasets = [("train", self.data_fingerprint, str(job.train_data), "training")]
+        if self.dev_split is not None:
+            datasets.append(("dev", self.dev_split.meta.get("data_fingerprint", ""), str(job.dev_data), "validation"))
+        tracker.start(params, tags, datasets)
+        if self.resumed_from:
+            print(f"resuming from {self.resumed_from} (step {self.progress.step}) on {self.world} process(es)",
+                  file=sys.stderr)
+        return tracker
 
-    stop = StopFlag()
-    stop.install()
-    peak = peak_flops(device)
-    last_checkpoint_time = time.monotonic()
-    source = StepSource(train_split, settings)
-    if not source.steps_of(progress.epoch):
-        raise UserError(f"{job.train_data}: no training pairs")
+    # --- one step, in its named parts -----------------------------------------------------
 
-    def save(step_progress: Progress, window: bool) -> Path:
-        path = checkpoint_path(checkpoint_dir, step_progress.step, window)
+    def forward_backward(self, step: int, micro: list[np.ndarray], shape: StepShape) -> torch.Tensor:
+        """This process's micro-batches (``index % world == rank``): gradients summed, loss sums returned."""
+        world, settings = self.world, self.settings
+        mine = [(index, rows) for index, rows in enumerate(micro) if index % world == self.dist.rank]
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, nll
+        for position, (index, rows) in enumerate(mine):
+            batch = collate(self.train_split, rows).to(self.device)
+            torch.manual_seed(micro_batch_seed(settings.seed, step, index))
+            last = position == len(mine) - 1
+            sync = contextlib.nullcontext() if (world == 1 or last) else self.training_model.no_sync()
+            with sync:
+                with autocast_context(self.device, settings.precision):
+                    logits = self.training_model(batch.src, batch.tgt_in)
+                loss, nll = label_smoothed_loss(logits, batch.tgt_out, settings.label_smoothing)
+                # DDP averages gradients over processes; scale so that the result is the sum
+                # over the whole step's target tokens divided by their number.
+                (loss * (world / shape.real_tgt)).backward()
+            sums += torch.stack([loss.detach(), nll.detach()]).double()
+        return sums
+
+    def agree(self, step: int, sums: torch.Tensor, stop: StopFlag, start_step: int, loop_start: float,
+              budget: float) -> StepOutcome:
+        """The step's one host-device synchronisation: loss, gradient norm, and every process's
+        vote to stop (a signal) or to end (the last step, the time budget)."""
+        votes = torch.zeros(5, dtype=torch.float64, device=self.device)
+        votes[:2] = sums
+        # measured, not clipped (the paper does not clip); the same on every process after DDP
+        votes[2] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf")).double() / self.world
+        job = self.job
+        votes[3] = float(stop.signal is not None or (job.stop_after_steps is not None
+                                                     and step - start_step >= job.stop_after_steps))
+        votes[4] = float(self.progress.wall_seconds + time.monotonic() - loop_start >= budget)
+        if self.world > 1:
+            torch.distributed.all_reduce(votes)
+        loss_sum, nll_sum, grad_norm, stop_votes, budget_votes = votes.tolist()
+        return StepOutcome(loss_sum, nll_sum, grad_norm, stopping=stop_votes > 0,
+                           last=step == self.settings.steps or budget_votes > 0)
+
+    def check_finite(self, step: int, outcome: StepOutcome) -> None:
+        """A NaN or infinite loss or gradient norm ends the run before anything is written."""
+        for what, value in (("training loss", outcome.loss_sum), ("gradient norm", outcome.grad_norm)):
+            if not math.isfinite(value):
+                raise TrainingDiverged(
+                    f"the {what} became {value} at step {step} (preset {self.job.preset['name']}); the last "
+                    f"good checkpoint is kept in {self.checkpoint_dir}. Lower lr_scale or raise warmup_steps, "
+                    "then rerun to resume from it"
+                )
+
+    def optimizer_step(self, step: int) -> float:
+        lr = learning_rate(step, self.model_config.d_model, self.settings.warmup_steps, self.settings.lr_scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def account(self, step: int, shape: StepShape, flops: float, seconds: float) -> None:
+        progress = self.progress
+        progress.step = step
+        progress.target_tokens += shape.real_tgt
+        progress.source_tokens += shape.real_src
+        progress.padded_target_tokens += shape.padded_tgt
+        progress.padded_source_tokens += shape.padded_src
+        progress.train_flops += flops
+        progress.elapsed_seconds += seconds
+
+    def evaluate_dev(self, step: int) -> None:
+        dev = evaluate(self.model, self.dev_split, self.device, self.settings.precision, self.settings.device_tokens,
+                       self.settings.label_smoothing)
+        self.progress.dev_history.append({"step": step, **dev})
+        self.tracker.log_metrics(dev, step)
+
+    def save_checkpoint(self, window: bool) -> Path:
+        """Write this step's checkpoint; keep the window checkpoints averaging needs, and a safety
+        checkpoint only while it is the newest."""
+        progress, settings = self.progress, self.settings
+        path = checkpoint_path(self.checkpoint_dir, progress.step, window)
         save_model({
-            "format": CHECKPOINT_FORMAT, "step": step_progress.step, "model_config": model_config.to_dict(),
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "schedule": {"kind": "inverse_sqrt_warmup", "d_model": model_config.d_model,
+            "format": CHECKPOINT_FORMAT, "step": progress.step, "model_config": self.model_config.to_dict(),
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "schedule": {"kind": "inverse_sqrt_warmup", "d_model": self.model_config.d_model,
                          "warmup_steps": settings.warmup_steps, "scale": settings.lr_scale},
-            "progress": vars(step_progress).copy(), "rng": {"torch": torch.get_rng_state()},
+            "progress": vars(progress).copy(), "rng": {"torch": torch.get_rng_state()},
             "batch_rule": settings.batch_rule(), "window": window,
-            "config": {"preset": job.preset, "train": job.train_section, "seed": job.seed},
-            "vocab_fingerprint": vocab_fingerprint, "data_fingerprint": data_fingerprint,
+            "config": {"preset": self.job.preset, "train": self.job.train_section, "seed": self.job.seed},
+            "vocab_fingerprint": self.vocab_fingerprint, "data_fingerprint": self.data_fingerprint,
         }, path)
-        # keep the window checkpoints that averaging needs, and a safety checkpoint only while it is the newest
-        for _, old in list_checkpoints(checkpoint_dir)[:-settings.keep_checkpoints]:
+        for _, old in list_checkpoints(self.checkpoint_dir)[:-settings.keep_checkpoints]:
             old.unlink(missing_ok=True)
-        for old_step, old in list_checkpoints(checkpoint_dir, safety=True):
+        for _, old in list_checkpoints(self.checkpoint_dir, safety=True):
             if old.name.startswith("safety_") and old != path:
                 old.unlink(missing_ok=True)
         return path
 
-    from tqdm import tqdm
+    # --- the loop and its end -------------------------------------------------------------
 
-    bar = tqdm(total=settings.steps, initial=progress.step, desc=job.preset["name"], unit="step",
-               disable=not (dist.is_main and job.progress_bar), mininterval=1.0, file=sys.stderr)
-    window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "src_tokens": 0, "padded": 0, "real": 0, "time": 0.0,
-              "flops": 0.0, "steps": 0}
-    start_step = progress.step
-    budget = settings.max_minutes * 60 if settings.max_minutes else math.inf
-    status = "FAILED"
-    try:
-        training_model.train()
-        while progress.step < settings.steps and progress.wall_seconds < budget:
-            loop_start = time.monotonic()
-            step_start = time.perf_counter()
-            step = progress.step + 1
-            micro, shape = source.next(progress)
-            # every process knows the whole step's sizes: no communication before the forward pass
-            flops = sum(forward_flops(model_config, *dims) for dims in shape.shapes)
-            mine = [(index, rows) for index, rows in enumerate(micro) if index % world == dist.rank]
-            lr = learning_rate(step, model_config.d_model, settings.warmup_steps, settings.lr_scale)
-            for group_params in optimizer.param_groups:
-                group_params["lr"] = lr
-            sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, nll, grad norm, stop, budget
-            for position, (index, rows) in enumerate(mine):
-                batch = collate(train_split, rows).to(device)
-                torch.manual_seed(micro_batch_seed(settings.seed, step, index))
-                last = position == len(mine) - 1
-                sync = contextlib.nullcontext() if (world == 1 or last) else training_model.no_sync()
-                with sync:
-                    with autocast_context(device, settings.precision):
-                        logits = training_model(batch.src, batch.tgt_in)
-                    loss, nll = label_smoothed_loss(logits, batch.tgt_out, settings.label_smoothing)
-                    # DDP averages gradients over processes; scale so that the result is the sum
-                    # over the whole step's target tokens divided by their number.
-                    (loss * (world / shape.real_tgt)).backward()
-                sums[:2] += torch.stack([loss.detach(), nll.detach()]).double()
-            # measured, not clipped (the paper does not clip); the same on every process after DDP
-            sums[2] = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).double() / world
-            stopping = stop.signal is not None or (job.stop_after_steps is not None
-                                                   and step - start_step >= job.stop_after_steps)
-            sums[3] = float(stopping)
-            sums[4] = float(progress.wall_seconds + time.monotonic() - loop_start >= budget)
-            if world > 1:
-                torch.distributed.all_reduce(sums)
-            # the step's one host-device synchronisation: every process agrees to go on or to stop
-            loss_sum, nll_sum, grad_norm, stop_votes, budget_votes = sums.tolist()
-            stopping = stop_votes > 0
-            last = step == settings.steps or budget_votes > 0
-            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                what = "training loss" if not math.isfinite(loss_sum) else "gradient norm"
-                value = loss_sum if not math.isfinite(loss_sum) else grad_norm
-                raise TrainingDiverged(
-                    f"the {what} became {value} at step {step} (preset {job.preset['name']}); the last "
-                    f"good checkpoint is kept in {checkpoint_dir}. Lower lr_scale or raise warmup_steps, "
-                    "then rerun to resume from it"
-                )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            progress.step = step
-            progress.target_tokens += shape.real_tgt
-            progress.source_tokens += shape.real_src
-            progress.padded_target_tokens += shape.padded_tgt
-            progress.padded_source_tokens += shape.padded_src
-            progress.train_flops += 3.0 * flops  # backward is about twice the forward
-            elapsed = time.perf_counter() - step_start
-            progress.elapsed_seconds += elapsed
-            for key, value in (("loss", loss_sum), ("nll", nll_sum), ("tokens", shape.real_tgt),
-                               ("src_tokens", shape.real_src), ("padded", shape.padded_src + shape.padded_tgt),
-                               ("real", shape.real_src + shape.real_tgt), ("time", elapsed), ("flops", 3.0 * flops),
-                               ("steps", 1)):
-                window[key] += value
-            bar.update(1)
-            if dist.is_main and (step % settings.log_every == 0 or last):
-                tokens_per_second = window["tokens"] / max(window["time"], 1e-9)
-                metrics = {
-                    "train_loss": window["loss"] / window["tokens"], "train_nll": window["nll"] / window["tokens"],
-                    "train_ppl": math.exp(min(window["nll"] / window["tokens"], 50.0)), "lr": lr,
-                    "grad_norm": grad_norm, "target_tokens_per_second": tokens_per_second,
-                    "tokens_per_step": window["tokens"] / window["steps"],
-                    "real_src_tokens_per_step": window["src_tokens"] / window["steps"],
-                    "real_tgt_tokens_per_step": window["tokens"] / window["steps"],
-                    "padding_efficiency": window["real"] / max(window["padded"], 1),
-                    "train_flops": progress.train_flops, "epoch": progress.epoch,
-                }
-                if peak:
-                    metrics["mfu"] = window["flops"] / max(window["time"], 1e-9) / (peak * world)
-                tracker.log_metrics(metrics, step)
-                bar.set_postfix(loss=f"{metrics['train_loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:.0f}")
-                window = dict.fromkeys(window, 0.0)
-            if dist.is_main and dev_split is not None and settings.dev_every and step % settings.dev_every == 0:
-                dev = evaluate(model, dev_split, device, settings.precision, settings.device_tokens,
-                               settings.label_smoothing)
-                progress.dev_history.append({"step": step, **dev})
-                tracker.log_metrics(dev, step)
-            progress.wall_seconds += time.monotonic() - loop_start
-            # a run that ends at its time budget ends normally: its last step joins the window
-            in_window = is_window_step(step, settings.steps, settings.checkpoint_steps) or last
-            due_time = settings.checkpoint_minutes and \
-                time.monotonic() - last_checkpoint_time >= settings.checkpoint_minutes * 60
-            if dist.is_main and (in_window or due_time or stopping):
-                save(progress, window=in_window)
-                last_checkpoint_time = time.monotonic()
-            if last:
-                break
-            if stopping:
-                status = "KILLED"
-                raise Preempted(f"stopped at step {step}; checkpoint written to {checkpoint_dir}")
-        bar.close()
-        stopped_by = "steps" if progress.step >= settings.steps else "max_minutes"
-        summary = {}
-        if dist.is_main:
-            final_dev = evaluate(model, dev_split, device, settings.precision, settings.device_tokens,
-                                 settings.label_smoothing) if dev_split is not None else {}
-            if final_dev and (not progress.dev_history or progress.dev_history[-1]["step"] != progress.step):
+    def run(self) -> dict:
+        """Train until the last step or the time budget; returns the summary written to ``final.json``."""
+        from tqdm import tqdm
+
+        settings, progress, main = self.settings, self.progress, self.dist.is_main
+        stop = StopFlag()
+        stop.install()
+        bar = tqdm(total=settings.steps, initial=progress.step, desc=self.job.preset["name"], unit="step",
+                   disable=not (main and self.job.progress_bar), mininterval=1.0, file=sys.stderr)
+        window = LogWindow()
+        start_step = progress.step
+        budget = settings.max_minutes * 60 if settings.max_minutes else math.inf
+        last_checkpoint_time = time.monotonic()
+        status = "FAILED"
+        try:
+            self.training_model.train()
+            while progress.step < settings.steps and progress.wall_seconds < budget:
+                loop_start, step_start = time.monotonic(), time.perf_counter()
+                step = progress.step + 1
+                micro, shape = self.source.next(progress)
+                # every process knows the whole step's sizes: no communication before the forward pass
+                flops = 3.0 * sum(forward_flops(self.model_config, *dims) for dims in shape.shapes)  # backward ~ 2x
+                sums = self.forward_backward(step, micro, shape)
+                outcome = self.agree(step, sums, stop, start_step, loop_start, budget)
+                self.check_finite(step, outcome)
+                lr = self.optimizer_step(step)
+                seconds = time.perf_counter() - step_start
+                self.account(step, shape, flops, seconds)
+                window.add(outcome, shape, seconds, flops)
+                bar.update(1)
+                if main and (step % settings.log_every == 0 or outcome.last):
+                    metrics = window.metrics(self.peak, self.world)
+                    metrics.update({"lr": lr, "grad_norm": outcome.grad_norm, "train_flops": progress.train_flops,
+                                    "epoch": progress.epoch})
+                    self.tracker.log_metrics(metrics, step)
+                    bar.set_postfix(loss=f"{metrics['train_loss']:.3f}", lr=f"{lr:.2e}",
+                                    tok_s=f"{metrics['target_tokens_per_second']:.0f}")
+                if main and self.dev_split is not None and settings.dev_every and step % settings.dev_every == 0:
+                    self.evaluate_dev(step)
+                progress.wall_seconds += time.monotonic() - loop_start
+                # a run that ends at its time budget ends normally: its last step joins the window
+                in_window = is_window_step(step, settings.steps, settings.checkpoint_steps) or outcome.last
+                due_time = settings.checkpoint_minutes and \
+                    time.monotonic() - last_checkpoint_time >= settings.checkpoint_minutes * 60
+                if main and (in_window or due_time or outcome.stopping):
+                    self.save_checkpoint(window=in_window)
+                    last_checkpoint_time = time.monotonic()
+                if outcome.last:
+                    break
+                if outcome.stopping:
+                    status = "KILLED"
+                    raise Preempted(f"stopped at step {step}; checkpoint written to {self.checkpoint_dir}")
+            bar.close()
+            summary = self.finish() if main else {}
+            status = "FINISHED"
+            return summary
+        finally:
+            bar.close()
+            if self.tracker is not None:
+                self.tracker.end(status)
+            if self.world > 1 and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+    def finish(self) -> dict:
+        """The final dev evaluation, ``final.pt`` and ``final.json`` (rank 0)."""
+        progress, settings, job = self.progress, self.settings, self.job
+        final_dev = {}
+        if self.dev_split is not None:
+            final_dev = evaluate(self.model, self.dev_split, self.device, settings.precision, settings.device_tokens,
+                                 settings.label_smoothing)
+            if not progress.dev_history or progress.dev_history[-1]["step"] != progress.step:
                 progress.dev_history.append({"step": progress.step, **final_dev})
-                tracker.log_metrics(final_dev, progress.step)
-            save_model({"format": MODEL_FORMAT, "model_config": model_config.to_dict(), "model": model.state_dict(),
-                        "vocab_fingerprint": vocab_fingerprint, "data_fingerprint": data_fingerprint,
-                        "averaged_steps": [progress.step], "averaged_from": [checkpoint_path(checkpoint_dir, progress.step).name]},
-                       job.run_dir / "final.pt")
-            summary = {
-                "preset": job.preset["name"], "seed": job.seed, "step": progress.step, "epochs": progress.epoch,
-                "parameters": model.num_parameters(), "target_tokens": progress.target_tokens,
-                "source_tokens": progress.source_tokens, **progress.per_step(), "train_flops": progress.train_flops,
-                "train_hours": progress.elapsed_seconds / 3600, "wall_hours": progress.wall_seconds / 3600,
-                "planned_steps": settings.steps, "stopped_by": stopped_by, "world_size": world,
-                "device": device_name, "device_peak_flops": peak, "mlflow_run_id": tracker.run_id,
-                "tracking_uri": tracker.uri, "experiment": job.experiment, **{k: v for k, v in final_dev.items()},
-                "dev_history": progress.dev_history, "vocab_fingerprint": vocab_fingerprint,
-                "data_fingerprint": data_fingerprint,
-            }
-            tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"],
-                                 **progress.per_step()}, progress.step)
-            write_json_atomic(job.run_dir / "final.json", summary)
-        status = "FINISHED"
+                self.tracker.log_metrics(final_dev, progress.step)
+        save_model({"format": MODEL_FORMAT, "model_config": self.model_config.to_dict(),
+                    "model": self.model.state_dict(), "vocab_fingerprint": self.vocab_fingerprint,
+                    "data_fingerprint": self.data_fingerprint, "averaged_steps": [progress.step],
+                    "averaged_from": [checkpoint_path(self.checkpoint_dir, progress.step).name]},
+                   job.run_dir / "final.pt")
+        summary = {
+            "preset": job.preset["name"], "seed": job.seed, "step": progress.step, "epochs": progress.epoch,
+            "parameters": self.model.num_parameters(), "target_tokens": progress.target_tokens,
+            "source_tokens": progress.source_tokens, **progress.per_step(), "train_flops": progress.train_flops,
+            "train_hours": progress.elapsed_seconds / 3600, "wall_hours": progress.wall_seconds / 3600,
+            "planned_steps": settings.steps,
+            "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
+            "world_size": self.world, "device": self.device_name, "device_peak_flops": self.peak,
+            "mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri, "experiment": job.experiment,
+            **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
+            "data_fingerprint": self.data_fingerprint,
+        }
+        self.tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"],
+                                  **progress.per_step()}, progress.step)
+        write_json_atomic(job.run_dir / "final.json", summary)
         return summary
-    finally:
-        bar.close()
-        if tracker is not None:
-            tracker.end(status)
-        if world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+
+
+def train(job: TrainJob) -> dict:
+    """Train (or resume) one run; returns the summary written to ``final.json`` (empty off rank 0)."""
+    return Trainer(job).run()
 
 
 def check_layout(processes: int, preset: dict) -> None:
@@ -645,6 +743,31 @@ def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path) -> 
         return returncode
 
 
+def hold_run_lock(run_dir: Path):
+    """One trainer per run folder: an exclusive lock on ``<run_dir>/.lock`` for this process's life.
+
+    A second trainer on the same folder (an orphan of a killed workflow still running, say) would
+    interleave its checkpoints and metrics with the first one's, so it refuses, naming the holder.
+    """
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds {run_dir}/.lock); "
+                        "wait for it to end or stop it (kill -TERM writes a checkpoint), then rerun") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle  # the lock lasts while this stays open
+
+
 def _report_status(status: int) -> int:
     """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
     target = os.environ.get("AIAYN_STATUS_FILE")
@@ -683,6 +806,8 @@ def main(argv=None):
         raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
+    if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
+        lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
     device = args.device if args.device != "auto" else train_section.get("device", "auto")
     processes = processes_to_launch(args.processes, device, int(preset.get("gpus", 0)))
     if processes > 1:
