@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn.bpe import learn_bpe, load_processor
-from aiayn.config import to_json
+from aiayn.config import load_config, resolve_preset, to_json
 from aiayn.model import ModelConfig, ScratchBuffers, Transformer
 from aiayn.search import (
     BOS_ID,
@@ -28,6 +28,7 @@ from aiayn.search import (
     load_model,
     main,
     max_output_lengths,
+    resolve_tokens_per_batch,
     search_batches,
     stable_slots,
     surviving_order,
@@ -37,6 +38,7 @@ from aiayn.search import (
 )
 from aiayn.errors import UserError
 from aiayn import search, translate
+from conftest import REPO
 
 VOCAB = 24
 
@@ -542,8 +544,8 @@ def test_the_accelerator_path_finds_the_cpu_paths_hypotheses(kind, half_trained,
     model = {"half_trained": half_trained, "random": tiny_model(seed=41),
              "learned_positions": tiny_model(seed=42, positional="learned", max_positions=12)}[kind]
     src = sources([7, 3, 5, 9, 12, 4, 8, 2, 1], seed=43)
-    configs = [SearchConfig(), SearchConfig(beam_size=3, n_best=3, max_len_a=0.5, max_len_b=6, early_stopping=False),
-               SearchConfig(beam_size=1)]
+    configs = [SearchConfig(max_len_b=8), SearchConfig(beam_size=3, n_best=3, max_len_a=0.5, max_len_b=6,
+                                                      early_stopping=False), SearchConfig(beam_size=1, max_len_b=8)]
     cpu = [beam_search(model, src, config) for config in configs]
     accelerator_path(monkeypatch)
     assert [beam_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit
@@ -556,6 +558,38 @@ def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
     for batch in batches:
         assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) * 2 <= 200
     assert batches[0] == [7]  # too long for the budget, it still gets a batch of its own
+
+
+@pytest.mark.parametrize("value, device, expected", [
+    ("auto", "cpu", 8000), ("auto", "cuda", 50000), ("auto", torch.device("cuda", 1), 50000), ("auto", "meta", 8000),
+    (3000, "cuda", 3000), (3000, "cpu", 3000),
+])
+def test_auto_tokens_per_batch_is_gpu_sized_on_cuda_and_the_cpus_elsewhere(value, device, expected):
+    assert resolve_tokens_per_batch(value, device) == expected
+
+
+@pytest.mark.parametrize("value", [0, -5, "many", True, 2.5])
+def test_a_tokens_per_batch_that_is_not_a_whole_number_or_auto_is_a_user_error(value):
+    with pytest.raises(UserError, match="tokens_per_batch"):
+        resolve_tokens_per_batch(value, "cpu")
+
+
+@pytest.mark.parametrize("paper_config", ["wmt14_en_de.yaml", "wmt14_en_fr.yaml"])
+def test_the_paper_configs_decode_auto_sized_batches(paper_config):
+    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / paper_config])
+    assert config["decode"]["tokens_per_batch"] == "auto"
+
+
+def test_auto_batches_keep_the_big_models_decoding_memory_within_an_80_gb_gpu():
+    """config/README.md's arithmetic: the worst batch is of two-token sources, outputs up to source + 50."""
+    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / "wmt14_en_de.yaml"])
+    big = resolve_preset(config, "big")
+    source_len, positions = 2, 2 + config["decode"]["max_len_b"] + 1
+    rows = resolve_tokens_per_batch("auto", "cuda") // source_len
+    per_row_and_position = 2 * big["n_layers"] * big["d_model"] * 2  # keys and values, bf16
+    cache = rows * positions * per_row_and_position
+    log_probs = rows * config["bpe"]["vocab_size"] * (2 + 4 + 4)
+    assert cache * 1.5 + log_probs < 0.75 * 80e9
 
 
 def test_search_config_from_dict_rejects_unknown_keys_and_bad_values():
@@ -614,6 +648,13 @@ def test_translate_sentences_decodes_the_best_hypothesis_tokens(spm_model, text_
     src = torch.tensor([processor.encode(SENTENCES[0]) + [EOS_ID]])
     expected = processor.decode(beam_search(text_model, src, config)[0][0].tokens)
     assert translate_sentences(text_model, processor, SENTENCES[:1], config, progress=False) == [expected]
+
+
+def test_auto_tokens_per_batch_decodes_on_the_cpu_what_8000_decodes(spm_model, text_model):
+    processor = load_processor(str(spm_model))
+    config = SearchConfig(beam_size=2, max_len_b=4)
+    auto = translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch="auto", progress=False)
+    assert auto == translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch=8000, progress=False)
 
 
 def test_translate_n_best_gives_n_scored_translations_per_sentence(spm_model, text_model):

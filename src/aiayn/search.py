@@ -435,6 +435,33 @@ def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[
     ]
 
 
+# decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
+# decoder cache (beam 4, outputs up to source + 50, bf16) within an 80 GB GPU even for a batch of the
+# shortest sources (config/README.md has the arithmetic); elsewhere the CPU's 8000.
+AUTO_TOKENS_PER_BATCH = {"cuda": 50000}
+CPU_TOKENS_PER_BATCH = 8000
+
+
+def resolve_tokens_per_batch(tokens_per_batch: int | str, device: torch.device | str) -> int:
+    """decode.tokens_per_batch as a number: `auto` by the device's type (AUTO_TOKENS_PER_BATCH, else
+    CPU_TOKENS_PER_BATCH); a number as it is."""
+    if tokens_per_batch == "auto":
+        return AUTO_TOKENS_PER_BATCH.get(torch.device(device).type, CPU_TOKENS_PER_BATCH)
+    if isinstance(tokens_per_batch, bool) or not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
+        raise UserError(f"tokens_per_batch = {tokens_per_batch!r} must be a whole number of at least 1, or auto")
+    return tokens_per_batch
+
+
+def tokens_per_batch_argument(text: str) -> int | str:
+    """A --tokens-per-batch value: a whole number, or auto (checked by resolve_tokens_per_batch)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or auto") from None
+
+
 def length_sorted_batches(lengths: Sequence[int], tokens_per_batch: int, beam_size: int) -> list[list[int]]:
     """Indices grouped into batches of similar length, longest first, each within the token budget.
 
@@ -543,20 +570,20 @@ def translate_hypotheses(
     processor: Any,
     sentences: Sequence[str],
     config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int = 8000,
+    tokens_per_batch: int | str = "auto",
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
 ) -> list[list[Hypothesis]]:
     """Beam-search each sentence; the n_best hypotheses per sentence in input order.
 
-    A blank line is not decoded: it gets one empty hypothesis with score 0. workers: as in search_batches.
+    A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
+    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches.
     """
     from tqdm import tqdm
 
-    if tokens_per_batch < 1:
-        raise UserError(f"tokens_per_batch = {tokens_per_batch} must be at least 1")
     device = torch.device(device)
+    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
@@ -578,7 +605,7 @@ def translate_sentences(
     processor: Any,
     sentences: Sequence[str],
     config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int = 8000,
+    tokens_per_batch: int | str = "auto",
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
@@ -594,7 +621,7 @@ def translate_n_best(
     processor: Any,
     sentences: Sequence[str],
     config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int = 8000,
+    tokens_per_batch: int | str = "auto",
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
@@ -683,11 +710,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     section = dict(section_from_arguments(args, "decode"))
-    tokens_per_batch = int(section.pop("tokens_per_batch", 8000))
+    tokens_per_batch = section.pop("tokens_per_batch", "auto")
     workers = int(section.pop("workers", 1))
     config = SearchConfig.from_dict(section)
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
+    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
 
     start = time.perf_counter()
     hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
