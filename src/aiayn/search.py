@@ -349,10 +349,10 @@ def beam_search(
         # values the cache copy moves for the rows of the sentences that go on.
         ended, copied = 0, None
         if order is not None:
-            going_on = active - done.sum()
+            ended_count = done.sum()
             copy_lengths = (step + 1 - copy_from).clamp(min=0)
-            copy_lengths = copy_lengths.masked_fill(torch.arange(active * beam, device=device) >= going_on * beam, 0)
-            ended, copied = torch.stack([done.sum(), copy_lengths.sum()]).tolist()
+            going_on = torch.arange(active * beam, device=device) < (active - ended_count) * beam  # rows kept
+            ended, copied = torch.stack([ended_count, (copy_lengths * going_on).sum()]).tolist()
 
         kept = None  # the sentences that go on, when some ended
         if ended:
@@ -372,12 +372,9 @@ def beam_search(
             finished_tokens = finished_tokens[kept]
             new_tokens = new_tokens[kept]
             cache_rows, copy_from, kept_tokens = cache_rows[:rows_kept], copy_from[:rows_kept], kept_tokens[:rows_kept]
-        if step == 0:
-            cache = model.reorder_cache(cache, cache_rows, sources=kept, filled=1, group=beam, copy_from=copy_from,
-                                        copied=copied)
-        else:
-            cache = model.reorder_cache(cache, cache_rows, sources=kept, filled=step + 1, copy_from=copy_from,
-                                        copied=copied)
+        # group: the first step's one row per sentence grows into beam rows; later steps keep that grouping.
+        cache = model.reorder_cache(cache, cache_rows, sources=kept, filled=step + 1, group=beam, copy_from=copy_from,
+                                    copied=copied)
         live_tokens = kept_tokens
         live_tokens[:, step] = new_tokens.reshape(-1)
         last_tokens = live_tokens[:, step]
