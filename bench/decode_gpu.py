@@ -12,7 +12,9 @@ from a log-normal stand-in for news sentences in subword tokens (median --median
 token counts of newstest2014's English side under the run's SentencePiece model).
 
 Prints sentences/s and target tokens/s (each output's EOS counted, as fairseq counts them). The
-published anchor: CTranslate2 decodes about 6.6k target tokens/s in float32 on an A10G.
+published anchor: CTranslate2 decodes about 6.6k target tokens/s in float32 on an A10G. On CUDA it
+first counts the host synchronisations of one search with torch's sync debug mode: the search reads
+the device once per step, and a few times per search outside its loop.
 
     PYTHONPATH=src python bench/decode_gpu.py                   # on the GPU
     PYTHONPATH=src python bench/decode_gpu.py --device cpu --sentences 40 --layers 2   # a smoke run
@@ -24,13 +26,14 @@ import argparse
 import math
 import statistics
 import time
+import warnings
 
 import torch
 
 from decode_cpu import NeverEndingTransformer  # bench/ is this script's folder; torch-only at import
 
 from aiayn.model import ModelConfig
-from aiayn.search import EOS_ID, PAD_ID, SearchConfig, beam_search, length_sorted_batches
+from aiayn.search import EOS_ID, PAD_ID, SearchConfig, beam_search, length_sorted_batches, resolve_tokens_per_batch
 
 
 def source_lengths(args: argparse.Namespace) -> list[int]:
@@ -41,6 +44,31 @@ def source_lengths(args: argparse.Namespace) -> list[int]:
     generator = torch.Generator().manual_seed(args.seed)
     normal = torch.randn(args.sentences, generator=generator, dtype=torch.float64)
     return [min(150, max(3, round(args.median_len * math.exp(args.sigma * float(z))))) for z in normal]
+
+
+def count_synchronisations(model, ids, config: SearchConfig, autocast) -> tuple[int, int]:
+    """The host synchronisations of one beam search, as torch's CUDA sync debug mode reports them, and
+    its decoder steps."""
+    steps = 0
+    decode_step = model.decode_step
+
+    def counted(*args):
+        nonlocal steps
+        steps += 1
+        return decode_step(*args)
+
+    model.decode_step = counted
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.inference_mode(), autocast:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                beam_search(model, ids, config)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        del model.decode_step
+    return sum("synchroniz" in str(warning.message) for warning in caught), steps
 
 
 def main(argv=None) -> int:
@@ -55,7 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("--d-ff", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--tokens-per-batch", type=int, default=60000, help="padded source tokens x beam per batch")
+    parser.add_argument("--tokens-per-batch", type=int, default=None,
+                        help="padded source tokens x beam per batch (default: the decode stage's auto for the device)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--repeats", type=int, default=2)
@@ -63,6 +92,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
+    args.tokens_per_batch = resolve_tokens_per_batch(args.tokens_per_batch or "auto", device)
     torch.manual_seed(args.seed)
     model = NeverEndingTransformer(ModelConfig(
         vocab_size=args.vocab, n_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, n_heads=args.heads,
@@ -99,6 +129,10 @@ def main(argv=None) -> int:
           f"{statistics.mean(lengths):.1f} median {statistics.median(lengths):.0f} max {max(lengths)}; "
           f"{len(batches)} batches of at most {args.tokens_per_batch} tokens x beam; beam {args.beam}")
     run(batches[:1] + batches[-1:])  # warm-up: allocator, kernels, the longest and the shortest batch
+    if device.type == "cuda" and torch.cuda.is_available():
+        syncs, steps = count_synchronisations(model, batches[0], config, autocast)
+        print(f"host synchronisations in one search of {batches[0].shape[0]} sentences: {syncs} in {steps} steps "
+              f"(the search reads the device once a step, and a few times before and after its loop)")
     with torch.inference_mode(), autocast:  # the planned work: source-length outputs
         for hypotheses, row in zip(beam_search(model, batches[-1], config), batches[-1].tolist()):
             assert len(hypotheses[0].tokens) == sum(token != PAD_ID for token in row), "another output length"

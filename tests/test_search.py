@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn.bpe import learn_bpe, load_processor
-from aiayn.config import to_json
+from aiayn.config import load_config, resolve_preset, to_json
 from aiayn.model import ModelConfig, ScratchBuffers, Transformer
 from aiayn.search import (
     BOS_ID,
@@ -27,6 +28,7 @@ from aiayn.search import (
     load_model,
     main,
     max_output_lengths,
+    resolve_tokens_per_batch,
     search_batches,
     stable_slots,
     surviving_order,
@@ -35,7 +37,8 @@ from aiayn.search import (
     translate_sentences,
 )
 from aiayn.errors import UserError
-from aiayn import translate
+from aiayn import search, translate
+from conftest import REPO
 
 VOCAB = 24
 
@@ -130,7 +133,7 @@ class BigramModel(nn.Module):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None):
+    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None, copied=None):
         cache.src_pad = cache.src_pad.index_select(0, index)
         return cache
 
@@ -210,10 +213,11 @@ def test_stable_slots_are_a_permutation_for_every_parent_pattern():
 
 def test_surviving_order_keeps_places_and_fills_holes_from_the_end():
     done = torch.tensor([False, True, False, True, False, False, True, False])
-    # 5 go on: places 0, 2 and 4 keep theirs; places 1 and 3 (ended) go to the survivors past place 4, 5 and 7.
-    assert surviving_order(done).tolist() == [0, 5, 2, 7, 4]
-    assert surviving_order(torch.tensor([True, True])).tolist() == []
-    assert surviving_order(torch.tensor([False, False, True])).tolist() == [0, 1]
+    # 5 go on: places 0, 2 and 4 keep theirs; places 1 and 3 (ended) swap with the survivors past place 4, 5 and 7.
+    assert surviving_order(done).tolist() == [0, 5, 2, 7, 4, 1, 6, 3]
+    assert surviving_order(torch.tensor([True, True])).tolist() == [0, 1]
+    assert surviving_order(torch.tensor([False, False, True])).tolist() == [0, 1, 2]
+    assert surviving_order(torch.tensor([True, True, False, False])).tolist() == [2, 3, 0, 1]
 
 
 def test_first_differing_positions_follow_the_shared_tokens_of_a_sentence():
@@ -230,7 +234,7 @@ def test_first_differing_positions_follow_the_shared_tokens_of_a_sentence():
 class FullCopyTransformer(Transformer):
     """Copies the whole written history of every row that moves, as reorder_cache did before copy_from."""
 
-    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None):
+    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None, copied=None):
         return super().reorder_cache(cache, index, sources, filled, group)
 
 
@@ -444,6 +448,111 @@ def test_finished_sentences_leave_the_batch():
     assert len(rows) == 31  # 30 tokens and the forced EOS
 
 
+# --- the accelerator's path: at most one host read per step, the CPU's hypotheses ---------------------
+
+aten = torch.ops.aten
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what would make the host wait for a GPU: a value read back (item, bool, int, float:
+    _local_scalar_dense; tolist, numpy, cpu) and operators whose output shape depends on values
+    (nonzero, masked_select, unique, boolean-mask indexing, repeat_interleave without output_size).
+    On CPU tensors these cost nothing, so counting them on the CPU bounds what the same code does on a GPU.
+    """
+
+    READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+             aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default}
+    INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+    METHODS = ("tolist", "numpy", "cpu")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        masked = func in self.INDEXING and any(
+            index is not None and index.dtype == torch.bool for index in args[1])
+        sized_by_values = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        self.count += func in self.READS or masked or sized_by_values
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self.methods = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, self.counting(method))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def counting(self, method):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: x[0].item(), lambda x: bool(x.any()), lambda x: int(x.sum()), lambda x: x.tolist(),
+    lambda x: x.cpu(), lambda x: x.nonzero(), lambda x: x[x > 1], lambda x: x.repeat_interleave(x),
+    lambda x: x.unique(),
+], ids=["item", "bool", "int", "tolist", "cpu", "nonzero", "mask", "repeat_interleave", "unique"])
+def test_host_reads_counts_each_kind_of_read_once(read):
+    x = torch.tensor([1, 0, 2])
+    with HostReads() as reads:
+        read(x)
+        x.repeat_interleave(x, output_size=3)  # given its size, no read
+        x[torch.tensor([0, 2])]  # integer indexing has a fixed shape
+    assert reads.count == 1
+
+
+class StepMarking(Transformer):
+    """Notes the host reads counted so far, and the decoder rows, at each decoder step."""
+
+    reads: HostReads | None = None
+
+    def decode_step(self, tokens, position, cache):
+        self.marks.append(self.reads.count)
+        self.rows.append(tokens.shape[0])
+        return super().decode_step(tokens, position, cache)
+
+
+def accelerator_path(monkeypatch) -> None:
+    """Makes beam_search take the path it takes on a GPU, where reading a tensor costs a synchronisation."""
+    monkeypatch.setattr(search, "reads_are_free", lambda device: False)
+
+
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_the_accelerator_path_reads_the_host_at_most_once_a_step(early_stopping, half_trained, monkeypatch):
+    accelerator_path(monkeypatch)
+    model = with_weights(StepMarking, half_trained)
+    config = SearchConfig(beam_size=4, n_best=2, max_len_a=0.5, max_len_b=6, early_stopping=early_stopping)
+    src = sources([7, 3, 5, 9, 12, 4, 8, 2, 10, 6], seed=31)
+    model.marks, model.rows, model.reads = [], [], HostReads()
+    with model.reads:
+        beam_search(model, src, config)
+    assert len(set(model.rows[1:])) > 2  # sentences left the batch at different steps
+    reads_per_step = [later - earlier for earlier, later in zip(model.marks, model.marks[1:])]
+    assert max(reads_per_step) <= 1
+    # Once before the loop (the longest output), the last step's one, the results (three tensors) after it.
+    assert model.marks[0] <= 1 and model.reads.count - model.marks[-1] <= 1 + 3
+
+
+@pytest.mark.parametrize("kind", ["half_trained", "random", "learned_positions"])
+def test_the_accelerator_path_finds_the_cpu_paths_hypotheses(kind, half_trained, monkeypatch):
+    model = {"half_trained": half_trained, "random": tiny_model(seed=41),
+             "learned_positions": tiny_model(seed=42, positional="learned", max_positions=12)}[kind]
+    src = sources([7, 3, 5, 9, 12, 4, 8, 2, 1], seed=43)
+    configs = [SearchConfig(max_len_b=8), SearchConfig(beam_size=3, n_best=3, max_len_a=0.5, max_len_b=6,
+                                                      early_stopping=False), SearchConfig(beam_size=1, max_len_b=8)]
+    cpu = [beam_search(model, src, config) for config in configs]
+    accelerator_path(monkeypatch)
+    assert [beam_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit
+
+
 def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
     lengths = [5, 40, 12, 3, 40, 7, 25, 1000]
     batches = length_sorted_batches(lengths, tokens_per_batch=200, beam_size=2)
@@ -451,6 +560,38 @@ def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
     for batch in batches:
         assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) * 2 <= 200
     assert batches[0] == [7]  # too long for the budget, it still gets a batch of its own
+
+
+@pytest.mark.parametrize("value, device, expected", [
+    ("auto", "cpu", 8000), ("auto", "cuda", 50000), ("auto", torch.device("cuda", 1), 50000), ("auto", "meta", 8000),
+    (3000, "cuda", 3000), (3000, "cpu", 3000),
+])
+def test_auto_tokens_per_batch_is_gpu_sized_on_cuda_and_the_cpus_elsewhere(value, device, expected):
+    assert resolve_tokens_per_batch(value, device) == expected
+
+
+@pytest.mark.parametrize("value", [0, -5, "many", True, 2.5])
+def test_a_tokens_per_batch_that_is_not_a_whole_number_or_auto_is_a_user_error(value):
+    with pytest.raises(UserError, match="tokens_per_batch"):
+        resolve_tokens_per_batch(value, "cpu")
+
+
+@pytest.mark.parametrize("paper_config", ["wmt14_en_de.yaml", "wmt14_en_fr.yaml"])
+def test_the_paper_configs_decode_auto_sized_batches(paper_config):
+    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / paper_config])
+    assert config["decode"]["tokens_per_batch"] == "auto"
+
+
+def test_auto_batches_keep_the_big_models_decoding_memory_within_an_80_gb_gpu():
+    """config/README.md's arithmetic: the worst batch is of two-token sources, outputs up to source + 50."""
+    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / "wmt14_en_de.yaml"])
+    big = resolve_preset(config, "big")
+    source_len, positions = 2, 2 + config["decode"]["max_len_b"] + 1
+    rows = resolve_tokens_per_batch("auto", "cuda") // source_len
+    per_row_and_position = 2 * big["n_layers"] * big["d_model"] * 2  # keys and values, bf16
+    cache = rows * positions * per_row_and_position
+    log_probs = rows * config["bpe"]["vocab_size"] * (2 + 4 + 4)
+    assert cache * 1.5 + log_probs < 0.75 * 80e9
 
 
 def test_search_config_from_dict_rejects_unknown_keys_and_bad_values():
@@ -509,6 +650,13 @@ def test_translate_sentences_decodes_the_best_hypothesis_tokens(spm_model, text_
     src = torch.tensor([processor.encode(SENTENCES[0]) + [EOS_ID]])
     expected = processor.decode(beam_search(text_model, src, config)[0][0].tokens)
     assert translate_sentences(text_model, processor, SENTENCES[:1], config, progress=False) == [expected]
+
+
+def test_auto_tokens_per_batch_decodes_on_the_cpu_what_8000_decodes(spm_model, text_model):
+    processor = load_processor(str(spm_model))
+    config = SearchConfig(beam_size=2, max_len_b=4)
+    auto = translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch="auto", progress=False)
+    assert auto == translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch=8000, progress=False)
 
 
 def test_translate_n_best_gives_n_scored_translations_per_sentence(spm_model, text_model):

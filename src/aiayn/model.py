@@ -537,21 +537,26 @@ class DecoderCache:
         return self.key_buffer.shape[1]
 
 
-def _copy_cache_rows(cache: DecoderCache, index: Tensor, copy_from: Tensor, filled: int) -> None:
+def _copy_cache_rows(
+    cache: DecoderCache, index: Tensor, copy_from: Tensor, filled: int, copied: int | None = None,
+) -> None:
     """Row i of the self-attention buffers takes old row index[i]'s keys and values at positions
     copy_from[i] .. filled - 1, for all layers at once.
 
     Each (layer, position, row) is one contiguous block of heads x d values in the position-major
     buffers, so the copy is one gather and one scatter of blocks per buffer, whatever the rows and
     positions. The gather reads every block before the scatter writes any, so rows that swap read
-    their old values.
+    their old values. The copy's size is read from the device unless `copied` gives it.
     """
     lengths = (filled - copy_from).clamp(min=0)
-    rows = lengths.nonzero().squeeze(1)
-    if rows.numel() == 0:
+    if copied is None:
+        rows = lengths.nonzero().squeeze(1)  # the rows that copy anything
+        lengths = lengths.index_select(0, rows)
+        total = int(lengths.sum()) if rows.numel() else 0
+    else:  # every row: the ones with nothing to copy add no blocks
+        rows, total = torch.arange(lengths.shape[0], device=lengths.device), copied
+    if total == 0:
         return
-    lengths = lengths.index_select(0, rows)
-    total = int(lengths.sum())
     targets = rows.repeat_interleave(lengths, output_size=total)
     origins = index.index_select(0, rows).repeat_interleave(lengths, output_size=total)
     # The positions copy_from[i], copy_from[i] + 1, ... of each row, as one flat run.
@@ -698,7 +703,7 @@ class Transformer(nn.Module):
 
     def reorder_cache(
         self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None,
-        group: int | None = None, copy_from: Tensor | None = None,
+        group: int | None = None, copy_from: Tensor | None = None, copied: int | None = None,
     ) -> DecoderCache:
         """Keep decoder rows `index` (beam search: the hypotheses that survive), in that order.
 
@@ -713,8 +718,10 @@ class Transformer(nn.Module):
         new row i, the first position to copy from old row index[i]: the positions before it must
         already hold the same keys and values in row i (beam search: hypotheses of one sentence that
         share their first tokens share the keys and values of those positions). By default a row that
-        stays where it is copies nothing and any other row copies all. Updates `cache` in place and
-        returns it.
+        stays where it is copies nothing and any other row copies all. `copied`, when the caller knows
+        it, is the number of (row, position) pairs that copy, the sum of (filled - copy_from) over the
+        rows where that is positive: given it, the copy reads nothing from the device (a
+        synchronisation on a GPU). Updates `cache` in place and returns it.
         """
         filled = cache.max_len if filled is None else filled
         if group is not None and group != cache.group:
@@ -742,7 +749,7 @@ class Transformer(nn.Module):
         else:
             if copy_from is None:
                 copy_from = torch.where(index.eq(torch.arange(rows, device=index.device)), filled, 0)
-            _copy_cache_rows(cache, index, copy_from, filled)
+            _copy_cache_rows(cache, index, copy_from, filled, copied)
         cache.rows = rows
         return cache
 

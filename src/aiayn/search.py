@@ -112,11 +112,25 @@ def _output_lengths(model: Any, src: Tensor, max_len_a: float, max_len_b: int) -
     return lengths.clamp(max=limit) if limit is not None else lengths
 
 
-def _step_log_probs(logits: Tensor, force_eos: Tensor) -> Tensor:
-    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked."""
+def reads_are_free(device: torch.device) -> bool:
+    """Whether the search may read tensor values on the host whenever it likes. On the CPU a read costs
+    nothing; on an accelerator each one waits until the device has run everything queued before it (a
+    synchronisation), so there the search reads one small tensor per step (``beam_search``)."""
+    return device.type == "cpu"
+
+
+def _step_log_probs(logits: Tensor, force_eos: Tensor, reads_free: bool = True) -> Tensor:
+    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked.
+
+    With reads_free (the CPU) only the rows at their maximum length are touched, found by reading
+    force_eos; otherwise one masked fill over all rows does the same without reading it.
+    """
     log_probs = F.log_softmax(logits.float(), dim=-1)
     log_probs[:, PAD_ID] = -math.inf
     log_probs[:, BOS_ID] = -math.inf
+    if not reads_free:
+        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
+        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
     forced = force_eos.nonzero().squeeze(1)
     if forced.numel():  # only rows at their maximum length: most steps touch no row here
         eos = log_probs[forced, EOS_ID]
@@ -185,8 +199,9 @@ def greedy_search(
     log_prob = torch.zeros(batch, dtype=torch.float32, device=src.device)
     finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
     last = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
+    reads_free = reads_are_free(src.device)
     for step in range(longest + 1):
-        log_probs = _step_log_probs(model.decode_step(last, step, cache), max_lens.eq(step))
+        log_probs = _step_log_probs(model.decode_step(last, step, cache), max_lens.eq(step), reads_free)
         best_log_prob, last = log_probs.max(dim=-1)
         log_prob += torch.where(finished, 0.0, best_log_prob)
         tokens[:, step] = torch.where(finished, PAD_ID, last)
@@ -208,7 +223,7 @@ def beam_search(
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
     The model needs the Transformer's inference API: encode, init_cache (with group, capacity and
-    scratch), decode_step, reorder_cache (with sources, filled, group and copy_from). A thread that
+    scratch), decode_step, reorder_cache (with sources, filled, group, copy_from and copied). A thread that
     searches batch after batch passes the same `scratch` to each, so their caches reuse one memory.
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
@@ -229,13 +244,18 @@ def beam_search(
 
     A sentence whose search has ended leaves the batch (its cache rows are dropped), so short
     sentences do not wait for long ones.
+
+    On an accelerator the host reads the device once per step: one small tensor with the number of
+    sentences that ended and the size of the step's cache copy, which is all it needs to shape the
+    next step. The hypotheses stay on the device until the search ends. On the CPU, where reads are
+    free (``reads_are_free``), a step also reads to skip work that most steps do not need.
     """
     beam = config.beam_size
     device = src.device
     batch = src.shape[0]
-    results: list[list[Hypothesis]] = [[] for _ in range(batch)]
     if batch == 0:
-        return results
+        return []
+    reads_free = reads_are_free(device)
     max_lens = _output_lengths(model, src, config.max_len_a, config.max_len_b).to(device)
     longest = int(max_lens.max())
     width = longest + 1  # token slots: up to max_len tokens (the EOS is not stored), never zero
@@ -254,12 +274,16 @@ def beam_search(
     finished_log_probs = torch.full((batch, beam), -math.inf, device=device)
     finished_tokens = torch.full((batch, beam, width), PAD_ID, dtype=torch.long, device=device)
     candidate_rank = torch.arange(2 * beam, device=device)
+    # Each sentence's n_best, written when its search ends and read once after the loop.
+    result_scores = torch.full((batch, config.n_best), -math.inf, device=device)
+    result_log_probs = torch.full((batch, config.n_best), -math.inf, device=device)
+    result_tokens = torch.full((batch, config.n_best, width), PAD_ID, dtype=torch.long, device=device)
 
     for step in range(longest + 1):
         active, rows = live_log_probs.shape  # rows: 1 at the first step, then beam
-        force_eos = max_lens.eq(step).repeat_interleave(rows)
-        log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos)  # (active * rows, vocab)
-        vocab = log_probs.shape[1]
+        force_eos = max_lens.eq(step)[:, None].expand(active, rows).reshape(-1)
+        log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos, reads_free)
+        vocab = log_probs.shape[1]  # log_probs: (active * rows, vocab)
         totals = log_probs.add_(live_log_probs.reshape(-1, 1)).view(active, rows * vocab)
         if totals.shape[1] < 2 * beam:  # a first step over a vocabulary smaller than the candidates kept
             totals = F.pad(totals, (0, 2 * beam - totals.shape[1]), value=-math.inf)
@@ -273,7 +297,7 @@ def beam_search(
         # On the CPU a step where nothing ends skips the merge (its concatenations and gathers were about
         # 1% of a bench search's operator time); elsewhere asking would cost a device synchronisation.
         ends = is_eos[:, :beam] & top_log_probs[:, :beam].isfinite()
-        if device.type != "cpu" or bool(ends.any()):
+        if not reads_free or bool(ends.any()):
             end_log_probs = top_log_probs[:, :beam].masked_fill(~ends, -math.inf)
             end_scores = end_log_probs / length_penalty(step + 1.0, config.length_penalty)
             end_tokens = live_tokens[source_rows[:, :beam].reshape(-1)].view(active, beam, width)
@@ -303,45 +327,75 @@ def beam_search(
             )
             done |= finished_scores[:, config.n_best - 1] >= best_live / best_possible_penalty
 
-        kept = None
-        if bool(done.any()):
-            _collect(results, sentence_ids[done], finished_scores[done], finished_log_probs[done],
-                     finished_tokens[done], config.n_best)
-            kept = surviving_order(done)
-            if kept.numel() == 0:
+        # The sentences that go on move to the first places (surviving_order), and each cache row takes
+        # over the row of its new hypothesis, copying the positions where the two differ. On the CPU a
+        # step where no sentence ended (most) keeps the sentences in place without computing an order.
+        order = None if reads_free and not bool(done.any()) else surviving_order(done)  # (active,)
+        if order is not None:
+            keep_rows = keep_rows[order]
+        keep_rows = keep_rows.reshape(-1)
+        kept_tokens = live_tokens[keep_rows]
+        if step == 0:
+            # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
+            cache_rows = keep_rows // beam
+            copy_from = torch.where(cache_rows.eq(torch.arange(active * beam, device=device)), 1, 0)
+        else:
+            # Only the positions written so far are copied, and of those only the ones where a row's
+            # new hypothesis differs from the one it replaces.
+            cache_rows = keep_rows
+            copy_from = first_differing_positions(live_tokens, kept_tokens, step, beam, order)
+
+        # The step's one read: how many sentences ended, and how many (row, position) blocks of keys and
+        # values the cache copy moves for the rows of the sentences that go on.
+        ended, copied = 0, None
+        if order is not None:
+            ended_count = done.sum()
+            copy_lengths = (step + 1 - copy_from).clamp(min=0)
+            going_on = torch.arange(active * beam, device=device) < (active - ended_count) * beam  # rows kept
+            ended, copied = torch.stack([ended_count, (copy_lengths * going_on).sum()]).tolist()
+
+        kept = None  # the sentences that go on, when some ended
+        if ended:
+            # Every active sentence's n_best is written; a sentence's last write is the one of the step it ended.
+            result_scores.index_copy_(0, sentence_ids, finished_scores[:, : config.n_best])
+            result_log_probs.index_copy_(0, sentence_ids, finished_log_probs[:, : config.n_best])
+            result_tokens.index_copy_(0, sentence_ids, finished_tokens[:, : config.n_best])
+            if ended == active:
                 break
+            kept = order[: active - ended]
+            rows_kept = (active - ended) * beam
             sentence_ids = sentence_ids[kept]
             max_lens = max_lens[kept]
             live_log_probs = live_log_probs[kept]
             finished_scores = finished_scores[kept]
             finished_log_probs = finished_log_probs[kept]
             finished_tokens = finished_tokens[kept]
-            keep_rows = keep_rows[kept]
             new_tokens = new_tokens[kept]
-        keep_rows = keep_rows.reshape(-1)
-        kept_tokens = live_tokens[keep_rows]
-        if step == 0:
-            # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
-            cache = model.reorder_cache(cache, keep_rows // beam, sources=kept, filled=1, group=beam)
-        else:
-            # Only the positions written so far are copied, and of those only the ones where a row's
-            # new hypothesis differs from the one it replaces; kept (not None) says which sentences stay.
-            copy_from = first_differing_positions(live_tokens, kept_tokens, step, beam, kept)
-            cache = model.reorder_cache(cache, keep_rows, sources=kept, filled=step + 1, copy_from=copy_from)
+            cache_rows, copy_from, kept_tokens = cache_rows[:rows_kept], copy_from[:rows_kept], kept_tokens[:rows_kept]
+        # group: the first step's one row per sentence grows into beam rows; later steps keep that grouping.
+        cache = model.reorder_cache(cache, cache_rows, sources=kept, filled=step + 1, group=beam, copy_from=copy_from,
+                                    copied=copied)
         live_tokens = kept_tokens
         live_tokens[:, step] = new_tokens.reshape(-1)
         last_tokens = live_tokens[:, step]
-    return results
+    return _hypotheses(result_scores, result_log_probs, result_tokens)
 
 
 def surviving_order(done: Tensor) -> Tensor:
-    """(active,) True where a sentence's search has ended -> the sentences that go on, in an order
-    that moves few of them: the ones before position `survivors` keep their places, and those
-    after it fill the places of the ones that ended, in order."""
-    survivors = int(done.numel() - done.sum())
-    order = torch.arange(survivors, device=done.device)
-    order[done[:survivors].nonzero().squeeze(1)] = (~done[survivors:]).nonzero().squeeze(1) + survivors
-    return order
+    """(active,) True where a sentence's search has ended -> a permutation of the sentences that puts
+    the ones that go on first and moves few of them: with s going on, each that ended in the first s
+    places swaps with one that goes on from past them (the k-th such place with the k-th such sentence).
+
+    Its shape does not depend on the values of `done`, so an accelerator computes it without a
+    synchronisation; the first s entries are the sentences that go on.
+    """
+    places = torch.arange(done.shape[0], device=done.device)
+    first = places < done.shape[0] - done.sum()  # the places the sentences that go on will take
+    holes, movers = done & first, ~done & ~first  # as many of each
+    # A stable argsort of "not a hole" lists the holes first, in order (the same for movers).
+    hole_places, mover_places = (~holes).int().argsort(stable=True), (~movers).int().argsort(stable=True)
+    hole_rank, mover_rank = (holes.cumsum(0) - 1).clamp(min=0), (movers.cumsum(0) - 1).clamp(min=0)
+    return torch.where(holes, mover_places[hole_rank], torch.where(movers, hole_places[mover_rank], places))
 
 
 def first_differing_positions(
@@ -362,25 +416,47 @@ def first_differing_positions(
     differs = tokens[:rows, :step].ne(new_tokens[:, :step])  # (rows, step)
     first = torch.where(differs.any(dim=1), differs.int().argmax(dim=1), step) + 1
     if kept is not None:  # new row i is a row of sentence kept[i // beam]; old row i was of sentence i // beam
-        same_sentence = kept.repeat_interleave(beam).eq(torch.arange(rows, device=kept.device) // beam)
-        first = torch.where(same_sentence, first, 0)
+        sentence = torch.arange(rows, device=kept.device) // beam
+        first = torch.where(kept[sentence].eq(sentence), first, 0)
     return first
 
 
-def _collect(
-    results: list[list[Hypothesis]], sentence_ids: Tensor, scores: Tensor, log_probs: Tensor, tokens: Tensor,
-    n_best: int,
-) -> None:
-    """Move the n_best finished hypotheses of sentences that are done into results (once per sentence)."""
-    for sentence, row_scores, row_log_probs, row_tokens in zip(
-        sentence_ids.tolist(), scores[:, :n_best].tolist(), log_probs[:, :n_best].tolist(),
-        tokens[:, :n_best].tolist(),
-    ):
-        results[sentence] = [
-            Hypothesis(tokens=[t for t in hypothesis if t != PAD_ID], score=score, log_prob=log_prob)
-            for score, log_prob, hypothesis in zip(row_scores, row_log_probs, row_tokens)
-            if math.isfinite(score)
-        ]
+def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[Hypothesis]]:
+    """(sentences, n_best) scores and log-probs and (sentences, n_best, width) tokens -> each sentence's
+    finished hypotheses (the -inf scores of ones never found left out), read from the device at once."""
+    return [
+        [Hypothesis(tokens=[t for t in hypothesis if t != PAD_ID], score=score, log_prob=log_prob)
+         for score, log_prob, hypothesis in zip(row_scores, row_log_probs, row_tokens)
+         if math.isfinite(score)]
+        for row_scores, row_log_probs, row_tokens in zip(scores.tolist(), log_probs.tolist(), tokens.tolist())
+    ]
+
+
+# decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
+# decoder cache (beam 4, outputs up to source + 50, bf16) within an 80 GB GPU even for a batch of the
+# shortest sources (config/README.md has the arithmetic); elsewhere the CPU's 8000.
+AUTO_TOKENS_PER_BATCH = {"cuda": 50000}
+CPU_TOKENS_PER_BATCH = 8000
+
+
+def resolve_tokens_per_batch(tokens_per_batch: int | str, device: torch.device | str) -> int:
+    """decode.tokens_per_batch as a number: `auto` by the device's type (AUTO_TOKENS_PER_BATCH, else
+    CPU_TOKENS_PER_BATCH); a number as it is."""
+    if tokens_per_batch == "auto":
+        return AUTO_TOKENS_PER_BATCH.get(torch.device(device).type, CPU_TOKENS_PER_BATCH)
+    if isinstance(tokens_per_batch, bool) or not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
+        raise UserError(f"tokens_per_batch = {tokens_per_batch!r} must be a whole number of at least 1, or auto")
+    return tokens_per_batch
+
+
+def tokens_per_batch_argument(text: str) -> int | str:
+    """A --tokens-per-batch value: a whole number, or auto (checked by resolve_tokens_per_batch)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or auto") from None
 
 
 def length_sorted_batches(lengths: Sequence[int], tokens_per_batch: int, beam_size: int) -> list[list[int]]:
@@ -491,20 +567,20 @@ def translate_hypotheses(
     processor: Any,
     sentences: Sequence[str],
     config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int = 8000,
+    tokens_per_batch: int | str = "auto",
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
 ) -> list[list[Hypothesis]]:
     """Beam-search each sentence; the n_best hypotheses per sentence in input order.
 
-    A blank line is not decoded: it gets one empty hypothesis with score 0. workers: as in search_batches.
+    A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
+    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches.
     """
     from tqdm import tqdm
 
-    if tokens_per_batch < 1:
-        raise UserError(f"tokens_per_batch = {tokens_per_batch} must be at least 1")
     device = torch.device(device)
+    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
@@ -526,7 +602,7 @@ def translate_sentences(
     processor: Any,
     sentences: Sequence[str],
     config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int = 8000,
+    tokens_per_batch: int | str = "auto",
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
@@ -542,7 +618,7 @@ def translate_n_best(
     processor: Any,
     sentences: Sequence[str],
     config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int = 8000,
+    tokens_per_batch: int | str = "auto",
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
@@ -631,11 +707,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     section = dict(section_from_arguments(args, "decode"))
-    tokens_per_batch = int(section.pop("tokens_per_batch", 8000))
+    tokens_per_batch = section.pop("tokens_per_batch", "auto")
     workers = int(section.pop("workers", 1))
     config = SearchConfig.from_dict(section)
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
+    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
 
     start = time.perf_counter()
     hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, workers=workers)

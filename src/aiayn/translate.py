@@ -17,7 +17,9 @@ import sys
 from typing import Sequence, TextIO
 
 from aiayn.errors import UserError, cli
-from aiayn.search import SearchConfig, add_runtime_arguments, load_runtime, translate_n_best
+from aiayn.search import (
+    SearchConfig, add_runtime_arguments, load_runtime, tokens_per_batch_argument, translate_n_best,
+)
 
 
 def read_source(stream) -> list[str]:
@@ -56,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--n-best", type=int, default=defaults.n_best, help="hypotheses per sentence")
     parser.add_argument("--max-len-a", type=float, default=defaults.max_len_a)
     parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
-    parser.add_argument("--tokens-per-batch", type=int, default=8000)
+    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument, default="auto",
+                        help="padded source tokens x beam per batch (auto: by device, config/README.md)")
     parser.add_argument("--workers", type=int, default=1,
                         help="CPU only: batches searched at once, each with threads / workers torch threads")
     args = parser.parse_args(argv)
