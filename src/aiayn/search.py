@@ -36,7 +36,7 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """How to search; the defaults are the paper's (Section 6.1, PAPER.md "Inference")."""
+    """How to search; the defaults are the paper's (Section 6.1, docs/PAPER.md "Inference")."""
 
     beam_size: int = 4
     length_penalty: float = 0.6  # alpha of GNMT's ((5 + length) / 6) ** alpha
@@ -81,7 +81,7 @@ class Hypothesis:
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
-    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (PAPER.md "Inference", the t2t form); alpha = 0 gives 1.
+    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (docs/PAPER.md "Inference", the t2t form); alpha = 0 gives 1.
 
     |Y| counts the final EOS, as tensor2tensor and fairseq count it: an empty translation has length 1.
     """
