@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+from conftest import write_text_corpus
 
 from aiayn.binarize import binarize_split, load_split
 from aiayn.bpe import load_processor, vocab_fingerprint
@@ -47,3 +50,22 @@ def test_two_processes_give_the_same_arrays_as_one(prepared, tmp_path, monkeypat
     binarize_split(*args, tmp_path / "two", max_tokens=64, workers=2)
     for name in ("src.ids", "src.offsets", "tgt.ids", "tgt.offsets", "lines"):
         assert np.array_equal(np.load(tmp_path / "one" / f"{name}.npy"), np.load(tmp_path / "two" / f"{name}.npy"))
+
+
+def test_binarise_memory_does_not_grow_with_the_corpus(prepared, tmp_path, monkeypatch):
+    """Ten times the pairs: the peak grows by far less than the text added (holding it would take more)."""
+    import tracemalloc
+
+    import aiayn.binarize as binarize
+
+    monkeypatch.setattr(binarize, "CHUNK_PAIRS", 500)
+    peaks, text_bytes = {}, {}
+    for pairs in (5000, 50_000):
+        local = write_text_corpus(tmp_path / f"raw{pairs}", (("train", pairs),))
+        text_bytes[pairs] = sum(Path(local["train"][side]).stat().st_size for side in ("src", "tgt"))
+        tracemalloc.start()
+        binarize_split("train", local["train"]["src"], local["train"]["tgt"], prepared / "bpe" / "spm.model",
+                       tmp_path / f"bin{pairs}", max_tokens=64, workers=1)
+        peaks[pairs] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[50_000] - peaks[5000] < 0.2 * (text_bytes[50_000] - text_bytes[5000]), (peaks, text_bytes)

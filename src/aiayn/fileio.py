@@ -122,7 +122,7 @@ def count_lines(path: str | os.PathLike) -> int:
         raise UserError(f"{path}: no such file (check the path in your config)")
     newlines, size, head, last = 0, 0, b"", b""
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
+        for block in iter(lambda: handle.read(1 << 18), b""):
             head = head or block[:3]
             newlines += block.count(b"\n")
             size += len(block)
@@ -138,6 +138,6 @@ def fingerprint_files(*paths: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     for path in paths:
         with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
+            for block in iter(lambda: handle.read(1 << 18), b""):
                 digest.update(block)
     return digest.hexdigest()[:16]
