@@ -2,7 +2,7 @@
 
 Each stage runs as its CLI in a subprocess, as the workflow runs it; the peak resident memory
 is that of the stage and all its worker processes together (their RSS summed, sampled every
-0.2 s from /proc). The corpus is generated (seeded): sentence pairs over a Zipf-distributed
+0.2 s from /proc), in all and without memory-mapped files' pages. The corpus is generated (seeded): sentence pairs over a Zipf-distributed
 lexicon of pseudo-words with German-like umlauts and lengths like WMT's, big enough for a
 37000-piece vocabulary, which the small demo language is not. Run it at two sizes to see how
 time and memory grow with the corpus:
@@ -73,19 +73,22 @@ def write_parquet(src_path: Path, tgt_path: Path, out: Path, rows_per_group: int
             writer.write_table(pa.table({"translation": translation}, schema=schema))
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (from /proc)."""
-    total, stack = 0, [pid]
+def tree_rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of a process and all its descendants (from /proc): all, and anonymous only
+    (without the pages of memory-mapped files, which the kernel can drop and reread)."""
+    total, anonymous, stack = 0, 0, [pid]
     while stack:
         current = stack.pop()
         try:
             with open(f"/proc/{current}/status") as status:
-                total += next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+                fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "RssAnon")))
+            total += int(fields["VmRSS"].split()[0]) * 1024
+            anonymous += int(fields["RssAnon"].split()[0]) * 1024
             with open(f"/proc/{current}/task/{current}/children") as children:
                 stack += [int(child) for child in children.read().split()]
-        except (FileNotFoundError, ProcessLookupError, StopIteration):
+        except (FileNotFoundError, ProcessLookupError, KeyError):
             continue
-    return total
+    return total, anonymous
 
 
 def run_stage(name: str, command: list[str], log: Path, env: dict | None = None) -> dict:
@@ -93,13 +96,14 @@ def run_stage(name: str, command: list[str], log: Path, env: dict | None = None)
     start = time.perf_counter()
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        peak = 0
+        peak, peak_anonymous = 0, 0
         done = threading.Event()
 
         def sample():
-            nonlocal peak
+            nonlocal peak, peak_anonymous
             while not done.wait(0.2):
-                peak = max(peak, tree_rss(process.pid))
+                total, anonymous = tree_rss(process.pid)
+                peak, peak_anonymous = max(peak, total), max(peak_anonymous, anonymous)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -109,7 +113,8 @@ def run_stage(name: str, command: list[str], log: Path, env: dict | None = None)
     seconds = time.perf_counter() - start
     if code != 0:
         raise SystemExit(f"{name} failed ({code}); see {log}:\n{log.read_text()[-2000:]}")
-    return {"stage": name, "seconds": round(seconds, 1), "peak_rss_mb": round(peak / 1e6)}
+    return {"stage": name, "seconds": round(seconds, 1), "peak_rss_mb": round(peak / 1e6),
+            "peak_anonymous_mb": round(peak_anonymous / 1e6)}
 
 
 def data_json(local: dict | None = None, hub: dict | None = None) -> str:

@@ -24,8 +24,6 @@ from aiayn.errors import UserError, cli
 from aiayn.fileio import count_lines, iter_lines, write_json_atomic
 
 SPLITS = ("train", "dev", "test")
-
-
 BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
 
 
