@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--vocab", type=int, default=37000)
     parser.add_argument("--input-sentence-size", type=int, default=2_000_000)
-    parser.add_argument("--workers", type=int, nargs="+", default=sorted({1, 2, os.cpu_count() or 1}),
-                        help="binarise with each of these process counts (default: 1, 2 and all cores)")
+    parser.add_argument("--workers", type=int, nargs="*", default=sorted({1, 2, os.cpu_count() or 1}),
+                        help="binarise with each of these process counts (default: 1, 2 and all cores; none: skip)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     aiayn = [sys.executable, "-m", "aiayn.cli"]

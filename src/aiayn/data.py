@@ -178,9 +178,12 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
             rows += metadata.metadata.num_rows
 
         def record_batches():
+            # a row group at a time: ParquetFile.iter_batches kept memory growing with the file (BENCHMARKS.md)
             for path in files:
                 try:
-                    yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_PAIRS)
+                    parquet = pq.ParquetFile(path)
+                    for group in range(parquet.num_row_groups):
+                        yield from parquet.read_row_group(group).to_batches(max_chunksize=BATCH_PAIRS)
                 except (pa.ArrowInvalid, OSError) as error:
                     raise UserError(f"{path}: cannot read as parquet ({error})") from None
 
