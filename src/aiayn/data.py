@@ -178,7 +178,7 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
             rows += metadata.metadata.num_rows
 
         def record_batches():
-            # a row group at a time: ParquetFile.iter_batches kept memory growing with the file (BENCHMARKS.md)
+            # a row group at a time: iter_batches, pre-buffering by default, held its buffers to the end of the file
             for path in files:
                 try:
                     parquet = pq.ParquetFile(path)
