@@ -93,7 +93,7 @@ class NpyWriter:
     and rewritten with the final length on ``close``.
     """
 
-    def __init__(self, path: str | os.PathLike, dtype):
+    def __init__(self, path: str | Path, dtype):
         self.dtype = np.dtype(dtype)
         self.length = 0
         self.file = open(path, "wb")
