@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
+from conftest import write_text_corpus
 
 from aiayn.binarize import binarize_split, load_split
 from aiayn.bpe import load_processor, vocab_fingerprint
+from aiayn.errors import UserError
 from aiayn.fileio import fingerprint_files
 
 
@@ -47,3 +52,47 @@ def test_two_processes_give_the_same_arrays_as_one(prepared, tmp_path, monkeypat
     binarize_split(*args, tmp_path / "two", max_tokens=64, workers=2)
     for name in ("src.ids", "src.offsets", "tgt.ids", "tgt.offsets", "lines"):
         assert np.array_equal(np.load(tmp_path / "one" / f"{name}.npy"), np.load(tmp_path / "two" / f"{name}.npy"))
+
+
+def test_binarise_memory_does_not_grow_with_the_corpus(prepared, tmp_path, monkeypatch):
+    """Ten times the pairs: the peak grows by far less than the text added (holding it would take more)."""
+    import tracemalloc
+
+    import aiayn.binarize as binarize
+
+    monkeypatch.setattr(binarize, "CHUNK_PAIRS", 500)
+    peaks, text_bytes = {}, {}
+    for pairs in (5000, 50_000):
+        local = write_text_corpus(tmp_path / f"raw{pairs}", (("train", pairs),))
+        text_bytes[pairs] = sum(Path(local["train"][side]).stat().st_size for side in ("src", "tgt"))
+        tracemalloc.start()
+        binarize_split("train", local["train"]["src"], local["train"]["tgt"], prepared / "bpe" / "spm.model",
+                       tmp_path / f"bin{pairs}", max_tokens=64, workers=1)
+        peaks[pairs] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[50_000] - peaks[5000] < 0.2 * (text_bytes[50_000] - text_bytes[5000]), (peaks, text_bytes)
+
+
+def test_arrays_written_in_pieces_equal_np_save(tmp_path):
+    from aiayn.binarize import NpyWriter
+
+    for dtype, pieces in ((np.uint16, [np.arange(5), np.arange(0), np.arange(70000) % 65536]), (np.int64, []),
+                          (np.int32, [np.arange(3)])):
+        with NpyWriter(tmp_path / "pieces.npy", dtype) as writer:
+            for piece in pieces:
+                writer.append(piece)
+        whole = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
+        np.save(tmp_path / "whole.npy", whole)
+        assert (tmp_path / "pieces.npy").read_bytes() == (tmp_path / "whole.npy").read_bytes()
+
+
+def test_a_bad_line_late_in_the_text_leaves_no_split_behind(prepared, tmp_path, monkeypatch):
+    import aiayn.binarize as binarize
+
+    monkeypatch.setattr(binarize, "CHUNK_PAIRS", 100)
+    src = (prepared / "data" / "train.en").read_bytes()
+    (tmp_path / "train.en").write_bytes(src[:-1] + b" \xff\n")  # the last line is not UTF-8
+    with pytest.raises(UserError, match=r"train\.en, line 1200: bytes that are not UTF-8"):
+        binarize_split("train", tmp_path / "train.en", prepared / "data" / "train.de", prepared / "bpe" / "spm.model",
+                       tmp_path / "bin", max_tokens=64, workers=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["train.en"]

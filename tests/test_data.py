@@ -144,3 +144,102 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path):
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def _write_hub_repo(repo, pairs) -> None:
+    """A dataset folder laid out as the hub's wmt/wmt14 parquet branch: one config, one folder."""
+    (repo / "de-en").mkdir(parents=True)
+    table = pa.table({"translation": [{"de": t, "en": s} for s, t in pairs]})
+    for split in ("train", "validation", "test"):
+        pq.write_table(table, repo / "de-en" / f"{split}-00000-of-00001.parquet")
+    splits = "".join(f"  - split: {split}\n    path: de-en/{split}-*\n" for split in ("train", "validation", "test"))
+    (repo / "README.md").write_text(f"---\nconfigs:\n- config_name: de-en\n  data_files:\n{splits}---\n")
+
+
+def test_the_hub_source_reads_a_dataset_through_datasets_in_batches(tmp_path, monkeypatch):
+    import datasets
+    import aiayn.data as data
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "BATCH_PAIRS", 7)
+    pairs = make_pairs(30, seed=5)
+    _write_hub_repo(tmp_path / "wmt14", pairs)
+    hub = {"path": str(tmp_path / "wmt14"), "name": "de-en", "revision": "main",
+           "splits": {"train": "train", "dev": "validation", "test": "test"}}
+    summary = download(data_section(source="hub", hub=hub), tmp_path / "out")
+    assert (tmp_path / "out" / "test.de").read_text(encoding="utf-8").splitlines() == [t for _, t in pairs]
+    assert summary["splits"]["dev"]["origin"] == [f"{tmp_path / 'wmt14'} (de-en, revision main, split validation)"]
+
+
+def test_parquet_rows_without_a_language_are_counted_over_the_split(tmp_path, monkeypatch):
+    import aiayn.data as data
+
+    monkeypatch.setattr(data, "BATCH_PAIRS", 2)
+    rows = [{"en": "a", "de": "b"}, {"en": "c", "de": "d"}, {"en": None, "de": "e"}, {"en": "f", "de": None}]
+    pq.write_table(pa.table({"translation": rows}), tmp_path / "t.parquet")
+    local = {split: {"parquet": str(tmp_path / "t.parquet")} for split in ("train", "dev", "test")}
+    with pytest.raises(UserError, match=r"row 2 has no 'en' or 'de' text \(2 such rows\)"):
+        download(data_section(local=local), tmp_path / "out")
+
+
+def test_a_bad_line_in_the_last_split_leaves_no_file_behind(tmp_path):
+    local = write_text_corpus(tmp_path / "raw")
+    (tmp_path / "raw" / "test.de").write_bytes(b"gut\n" * 39 + b"stra\xdfe\n")
+    with pytest.raises(UserError, match=r"test\.de, line 40"):
+        download(data_section(local=local), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]  # neither out nor a temporary folder
+
+
+def test_pairs_over_the_length_ratio_are_dropped_and_counted_only_when_asked(tmp_path):
+    raw = tmp_path / "raw"
+    local = write_text_corpus(raw)
+    (raw / "train.en").write_text("a b c\na b c d\none\n", encoding="utf-8")
+    (raw / "train.de").write_text("x y\nx y\neins zwei\n", encoding="utf-8")
+    summary = download(data_section(local=local, max_length_ratio=1.5), tmp_path / "out")
+    train = summary["splits"]["train"]
+    assert (train["pairs_written"], train["dropped_ratio"]) == (1, 2)  # 3:2 kept, 4:2 and 1:2 dropped
+    assert (tmp_path / "out" / "train.de").read_text(encoding="utf-8") == "x y\n"
+    assert summary["splits"]["test"]["dropped_ratio"] == 0  # evaluation splits are never filtered
+    unfiltered = download(data_section(local=local, max_length_ratio=None), tmp_path / "plain")
+    assert unfiltered["splits"]["train"]["pairs_written"] == 3 and "dropped_ratio" not in unfiltered["splits"]["train"]
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"\n\n", b"\xef\xbb\xbf", b"\xef\xbb\xbf\n", b"\xef\xbb\xbfa\nb",
+                                     b"a\r\nb\r\n", b"\r\n", b"a\n\nb\n\n", b"x\xe2\x80\xa8y\n\xc2\x85\n", b"\nlast"])
+def test_streamed_lines_and_counts_equal_read_lines(tmp_path, content):
+    from aiayn.fileio import count_lines, iter_lines, read_lines
+
+    (tmp_path / "f").write_bytes(content)
+    assert list(iter_lines(tmp_path / "f")) == read_lines(tmp_path / "f")
+    assert count_lines(tmp_path / "f") == len(read_lines(tmp_path / "f"))
+
+
+def _peak_python_memory(function) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        function()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("layout", ["text", "parquet"])
+def test_download_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch, layout):
+    """Ten times the pairs: the peak grows by far less than the text added (holding it would take twice)."""
+    import aiayn.data as data
+
+    monkeypatch.setattr(data, "BATCH_PAIRS", 500)
+    peaks, text_bytes = {}, {}
+    for pairs in (5000, 50_000):
+        raw = tmp_path / f"raw{pairs}"
+        local = write_text_corpus(raw, (("train", pairs), ("dev", 10), ("test", 10)))
+        text_bytes[pairs] = (raw / "train.en").stat().st_size + (raw / "train.de").stat().st_size
+        if layout == "parquet":
+            train = make_pairs(pairs, seed=0)
+            pq.write_table(pa.table({"translation": [{"en": s, "de": t} for s, t in train]}),
+                           raw / "train.parquet", row_group_size=1000)
+            local["train"] = {"parquet": str(raw / "train.parquet")}
+        peaks[pairs] = _peak_python_memory(lambda: download(data_section(local=local), tmp_path / f"out{pairs}"))
+    assert peaks[50_000] - peaks[5000] < 0.2 * (text_bytes[50_000] - text_bytes[5000]), (peaks, text_bytes)

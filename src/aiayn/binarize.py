@@ -12,17 +12,20 @@ Ids carry no bos/eos: the batcher adds them.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import itertools
 import json
 import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, fingerprint_files, read_lines
+from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines
 
 CHUNK_PAIRS = 20_000
 _processor = None  # one SentencePiece processor per worker process
@@ -46,36 +49,83 @@ def _encode_chunk(chunk: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.nd
     return tuple(out)
 
 
-def encode_pairs(src: list[str], tgt: list[str], model_path: str | Path, workers: int, desc: str = "binarise"):
-    """Encode both sides with ``workers`` processes; returns flat ids and lengths per side."""
+def _chunks(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[list[str], list[str]]]:
+    src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
+    while src := list(itertools.islice(src_lines, CHUNK_PAIRS)):
+        yield src, list(itertools.islice(tgt_lines, len(src)))
+
+
+def encode_chunks(src_path: str | Path, tgt_path: str | Path, model_path: str | Path, workers: int,
+                  pairs: int | None = None, desc: str = "binarise") -> Iterator[tuple[np.ndarray, ...]]:
+    """Flat ids and lengths of both sides, one chunk of ``CHUNK_PAIRS`` pairs at a time, in order.
+
+    The parent reads the text chunk by chunk while ``workers`` processes encode; at most two
+    chunks per worker are in flight, so memory does not grow with the corpus.
+    """
     from tqdm import tqdm
 
-    chunks = [(src[i:i + CHUNK_PAIRS], tgt[i:i + CHUNK_PAIRS]) for i in range(0, len(src), CHUNK_PAIRS)]
-    results = []
-    with tqdm(total=len(src), desc=desc, unit=" pairs", mininterval=2.0, disable=None) as progress:
+    with tqdm(total=pairs, desc=desc, unit=" pairs", mininterval=2.0, disable=None) as progress:
         if workers <= 1:
             _init_worker(str(model_path))
-            for chunk in chunks:
-                results.append(_encode_chunk(chunk))
+            for chunk in _chunks(src_path, tgt_path):
+                yield _encode_chunk(chunk)
                 progress.update(len(chunk[0]))
-        else:
-            # spawn, not fork: the parent may hold threads (torch, tqdm) that fork would copy mid-lock
-            context = multiprocessing.get_context("spawn")
-            with context.Pool(workers, initializer=_init_worker, initargs=(str(model_path),)) as pool:
-                for chunk, result in zip(chunks, pool.imap(_encode_chunk, chunks)):
-                    results.append(result)
-                    progress.update(len(chunk[0]))
-    if not results:
-        empty = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
-        return empty + empty
-    return tuple(np.concatenate([r[k] for r in results]) for k in range(4))
+            return
+        # spawn, not fork: the parent may hold threads (torch, tqdm) that fork would copy mid-lock
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(workers, initializer=_init_worker, initargs=(str(model_path),)) as pool:
+            in_flight: collections.deque = collections.deque()
+            for chunk in _chunks(src_path, tgt_path):
+                in_flight.append((len(chunk[0]), pool.apply_async(_encode_chunk, (chunk,))))
+                while len(in_flight) >= 2 * workers or (in_flight and in_flight[0][1].ready()):
+                    size, result = in_flight.popleft()
+                    yield result.get()
+                    progress.update(size)
+            for size, result in in_flight:
+                yield result.get()
+                progress.update(size)
 
 
-def _select(flat: np.ndarray, lengths: np.ndarray, keep: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
-    ids = flat[np.repeat(keep, lengths)].astype(dtype)
-    offsets = np.zeros(int(keep.sum()) + 1, dtype=np.int64)
-    np.cumsum(lengths[keep], out=offsets[1:])
-    return ids, offsets
+class NpyWriter:
+    """A one-dimensional ``.npy`` file written piece by piece, byte-identical to ``np.save`` of the whole.
+
+    numpy pads the header so that the length can grow in place; the header is written first
+    and rewritten with the final length on ``close``.
+    """
+
+    def __init__(self, path: str | Path, dtype):
+        self.dtype = np.dtype(dtype)
+        self.length = 0
+        self.file = open(path, "wb")
+        self.header_size = self._write_header()
+
+    def _write_header(self) -> int:
+        self.file.seek(0)
+        np.lib.format.write_array_header_1_0(
+            self.file, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
+                        "shape": (self.length,)})
+        return self.file.tell()
+
+    def append(self, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values, dtype=self.dtype)
+        self.file.write(values.data)
+        self.length += values.size
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        end = self.file.tell()
+        if self._write_header() != self.header_size:
+            raise RuntimeError(f"{self.file.name}: the .npy header changed size")
+        self.file.seek(end)
+        self.file.close()
+
+    def __enter__(self) -> "NpyWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 
 def binarize_split(
@@ -87,46 +137,61 @@ def binarize_split(
     max_tokens: int | None = None,
     workers: int = 1,
 ) -> dict:
-    """Encode one split into ``out_dir``; ``max_tokens`` filters pairs (use it for train only)."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise UserError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; they must be parallel")
-    if not src:
+    """Encode one split into ``out_dir``; ``max_tokens`` filters pairs (use it for train only).
+
+    Streams: each chunk's kept ids are appended to the arrays' files as it comes back, in a
+    temporary folder renamed onto ``out_dir`` only when every array is complete.
+    """
+    pairs, tgt_pairs = count_lines(src_path), count_lines(tgt_path)
+    if pairs != tgt_pairs:
+        raise UserError(f"{src_path} has {pairs} lines but {tgt_path} has {tgt_pairs}; they must be parallel")
+    if not pairs:
         raise UserError(f"{src_path}: the {split} split is empty")
-    src_flat, src_len, tgt_flat, tgt_len = encode_pairs(src, tgt, model_path, workers, desc=f"binarise {split}")
     vocab_size = load_processor(model_path).get_piece_size()
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-    if max_tokens is None:  # evaluation splits: every sentence stays
-        empty = too_long = np.zeros(len(src), dtype=bool)
-    else:
-        empty = (src_len == 0) | (tgt_len == 0)
-        too_long = ~empty & ((src_len > max_tokens) | (tgt_len > max_tokens))
-    keep = ~(empty | too_long)
-    src_ids, src_offsets = _select(src_flat, src_len, keep, dtype)
-    tgt_ids, tgt_offsets = _select(tgt_flat, tgt_len, keep, dtype)
-    meta = {
-        "split": split,
-        "pairs_in": len(src),
-        "pairs_kept": int(keep.sum()),
-        "dropped_too_long": int(too_long.sum()),
-        "dropped_empty": int(empty.sum()),
-        "max_tokens": max_tokens,
-        "src_tokens": int(src_ids.size),
-        "tgt_tokens": int(tgt_ids.size),
-        "dtype": np.dtype(dtype).name,
-        "vocab_size": vocab_size,
-        "vocab_fingerprint": vocab_fingerprint(model_path),
-        "data_fingerprint": fingerprint_files(src_path, tgt_path),
-        "src_file": str(src_path),
-        "tgt_file": str(tgt_path),
-    }
+    counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        np.save(tmp / "src.ids.npy", src_ids)
-        np.save(tmp / "src.offsets.npy", src_offsets)
-        np.save(tmp / "tgt.ids.npy", tgt_ids)
-        np.save(tmp / "tgt.offsets.npy", tgt_offsets)
-        np.save(tmp / "lines.npy", np.flatnonzero(keep).astype(np.int64))
+        with contextlib.ExitStack() as stack:
+            arrays = {name: stack.enter_context(NpyWriter(tmp / f"{name}.npy", kind))
+                      for name, kind in (("src.ids", dtype), ("src.offsets", np.int64), ("tgt.ids", dtype),
+                                         ("tgt.offsets", np.int64), ("lines", np.int64))}
+            arrays["src.offsets"].append(np.zeros(1))
+            arrays["tgt.offsets"].append(np.zeros(1))
+            for src_flat, src_len, tgt_flat, tgt_len in encode_chunks(src_path, tgt_path, model_path, workers,
+                                                                      pairs, desc=f"binarise {split}"):
+                if max_tokens is None:  # evaluation splits: every sentence stays
+                    empty = too_long = np.zeros(len(src_len), dtype=bool)
+                else:
+                    empty = (src_len == 0) | (tgt_len == 0)
+                    too_long = ~empty & ((src_len > max_tokens) | (tgt_len > max_tokens))
+                keep = ~(empty | too_long)
+                for side, flat, lengths in (("src", src_flat, src_len), ("tgt", tgt_flat, tgt_len)):
+                    arrays[f"{side}.ids"].append(flat[np.repeat(keep, lengths)])
+                    arrays[f"{side}.offsets"].append(counts[f"{side}_tokens"] + np.cumsum(lengths[keep]))
+                    counts[f"{side}_tokens"] += int(lengths[keep].sum())
+                arrays["lines"].append(counts["pairs_in"] + np.flatnonzero(keep))
+                counts["pairs_in"] += len(keep)
+                counts["dropped_too_long"] += int(too_long.sum())
+                counts["dropped_empty"] += int(empty.sum())
+        if counts["pairs_in"] != pairs:  # a file that changed while it was read
+            raise UserError(f"{src_path}: {pairs} lines counted but {counts['pairs_in']} read; was it being written?")
+        meta = {
+            "split": split,
+            "pairs_in": counts["pairs_in"],
+            "pairs_kept": counts["pairs_in"] - counts["dropped_too_long"] - counts["dropped_empty"],
+            "dropped_too_long": counts["dropped_too_long"],
+            "dropped_empty": counts["dropped_empty"],
+            "max_tokens": max_tokens,
+            "src_tokens": counts["src_tokens"],
+            "tgt_tokens": counts["tgt_tokens"],
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": vocab_size,
+            "vocab_fingerprint": vocab_fingerprint(model_path),
+            "data_fingerprint": fingerprint_files(src_path, tgt_path),
+            "src_file": str(src_path),
+            "tgt_file": str(tgt_path),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
 

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import os
+import shutil
 import socket
+import tempfile
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import read_lines, write_json_atomic, write_lines_atomic
+from aiayn.fileio import count_lines, iter_lines, write_json_atomic
 
 SPLITS = ("train", "dev", "test")
+BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
 
 
 @dataclass
@@ -28,21 +33,36 @@ class SplitStats:
     pairs_written: int = 0
     dropped_empty: int = 0
     dropped_long: int = 0
+    dropped_ratio: int | None = None  # only counted (and recorded) when data.max_length_ratio is set
     newlines_replaced: int = 0
     src_words: int = 0
     tgt_words: int = 0
     origin: list[str] = field(default_factory=list)
 
+    def as_json(self) -> dict:
+        return {key: value for key, value in vars(self).items() if value is not None}
 
-def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | None) -> tuple[list[str], list[str], SplitStats]:
-    """Make every segment one line, and filter training pairs (never dev or test).
+
+@dataclass
+class SplitSource:
+    """One split of a source, opened and checked but not read: ``batches()`` streams its pairs."""
+
+    origin: list[str]
+    batches: Callable[[], Iterator[tuple[list[str], list[str]]]]
+    pairs: int | None = None  # when known beforehand (the progress bar's total)
+
+
+def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | None, stats: SplitStats,
+                max_length_ratio: float | None = None) -> tuple[list[str], list[str]]:
+    """Make every segment one line, and filter training pairs (never dev or test); counts go to ``stats``.
 
     A segment with an embedded line break would shift every later line of its file, so
-    breaks become spaces (counted). Training pairs with an empty side or a side longer
-    than ``max_chars`` are dropped and counted; evaluation splits keep every pair, since
-    dropping test sentences would change what BLEU is computed on.
+    breaks become spaces (counted). Training pairs with an empty side, a side longer than
+    ``max_chars``, or (if set) one side more than ``max_length_ratio`` times as many words as
+    the other are dropped and counted; evaluation splits keep every pair, since dropping test
+    sentences would change what BLEU is computed on.
     """
-    stats = SplitStats(pairs_read=len(src))
+    stats.pairs_read += len(src)
     kept_src: list[str] = []
     kept_tgt: list[str] = []
     for source, target in zip(src, tgt):
@@ -51,6 +71,7 @@ def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | Non
             source = " ".join(source.splitlines())
             target = " ".join(target.splitlines())
         source, target = source.strip(), target.strip()
+        src_words, tgt_words = len(source.split()), len(target.split())
         if split == "train":
             if not source or not target:
                 stats.dropped_empty += 1
@@ -58,52 +79,79 @@ def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | Non
             if max_chars is not None and (len(source) > max_chars or len(target) > max_chars):
                 stats.dropped_long += 1
                 continue
+            longer, shorter = max(src_words, tgt_words), min(src_words, tgt_words)
+            if max_length_ratio is not None and longer > max_length_ratio * shorter:
+                stats.dropped_ratio += 1
+                continue
         kept_src.append(source)
         kept_tgt.append(target)
-        stats.src_words += len(source.split())
-        stats.tgt_words += len(target.split())
-    stats.pairs_written = len(kept_src)
-    return kept_src, kept_tgt, stats
+        stats.src_words += src_words
+        stats.tgt_words += tgt_words
+    stats.pairs_written += len(kept_src)
+    return kept_src, kept_tgt
 
 
 # --- sources -----------------------------------------------------------------------------
 
-def pairs_from_arrow(table, src_lang: str, tgt_lang: str, origin: str) -> tuple[list[str], list[str]]:
-    """Source and target columns of a table in the hub's ``translation`` layout (WMT), or with one
-    column per language (e.g. Multi30k)."""
-    import pyarrow.compute as pc
-
-    if "translation" not in table.column_names and {src_lang, tgt_lang} <= set(table.column_names):
-        src, tgt = table.column(src_lang).to_pylist(), table.column(tgt_lang).to_pylist()
-        _check_complete(src, tgt, src_lang, tgt_lang, origin)
-        return src, tgt
-    if "translation" not in table.column_names:
+def language_columns(schema, src_lang: str, tgt_lang: str, origin: str) -> str | None:
+    """Which layout a table has: ``"translation"`` (the hub's struct column, WMT) or ``None`` for one
+    column per language (e.g. Multi30k); anything else is a UserError naming what is there."""
+    names = schema.names
+    if "translation" not in names and {src_lang, tgt_lang} <= set(names):
+        return None
+    if "translation" not in names:
         raise UserError(
-            f"{origin}: no `translation` column (columns: {', '.join(table.column_names)}); "
+            f"{origin}: no `translation` column (columns: {', '.join(names)}); "
             "expected the Hugging Face translation layout, one struct column `translation` "
             f"with fields {src_lang!r} and {tgt_lang!r} (or one column per language)"
         )
-    column = table.column("translation")
-    fields = [column.type.field(i).name for i in range(column.type.num_fields)]
+    column = schema.field("translation").type
+    fields = [column.field(i).name for i in range(column.num_fields)]
     for lang in (src_lang, tgt_lang):
         if lang not in fields:
             raise UserError(
                 f"{origin}: the `translation` column has no language {lang!r} (it has {', '.join(fields)}); "
                 "check data.src_lang and data.tgt_lang"
             )
-    src = pc.struct_field(column, src_lang).to_pylist()
-    tgt = pc.struct_field(column, tgt_lang).to_pylist()
-    _check_complete(src, tgt, src_lang, tgt_lang, origin)
-    return src, tgt
+    return "translation"
 
 
-def _check_complete(src: list, tgt: list, src_lang: str, tgt_lang: str, origin: str) -> None:
-    missing = [i for i, (s, t) in enumerate(zip(src, tgt)) if s is None or t is None]
+def pairs_from_arrow(tables: Iterable, src_lang: str, tgt_lang: str, origin: str) -> Iterator[tuple[list, list]]:
+    """Source and target lists of each Arrow table or record batch in ``tables`` (one layout for all).
+
+    Rows without one of the languages are counted over the whole split and reported once it
+    has been read, with the first one's row number.
+    """
+    import pyarrow.compute as pc
+
+    layout, row, missing, first_missing = "unchecked", 0, 0, None
+    for table in tables:
+        if layout == "unchecked":
+            layout = language_columns(table.schema, src_lang, tgt_lang, origin)
+        if layout is None:
+            src, tgt = table.column(src_lang).to_pylist(), table.column(tgt_lang).to_pylist()
+        else:
+            column = table.column("translation")
+            src, tgt = pc.struct_field(column, src_lang).to_pylist(), pc.struct_field(column, tgt_lang).to_pylist()
+        holes = [i for i, (s, t) in enumerate(zip(src, tgt)) if s is None or t is None]
+        if holes:
+            first_missing = row + holes[0] if first_missing is None else first_missing
+            missing += len(holes)
+            complete = [i for i in range(len(src)) if src[i] is not None and tgt[i] is not None]
+            src, tgt = [src[i] for i in complete], [tgt[i] for i in complete]
+        row += table.num_rows
+        yield src, tgt
     if missing:
-        raise UserError(f"{origin}: row {missing[0]} has no {src_lang!r} or {tgt_lang!r} text ({len(missing)} such rows)")
+        raise UserError(f"{origin}: row {first_missing} has no {src_lang!r} or {tgt_lang!r} text ({missing} such rows)")
 
 
-def read_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str], list[str]]:
+def _batched(lines: Iterator[str]) -> Iterator[list[str]]:
+    while batch := list(itertools.islice(lines, BATCH_PAIRS)):
+        yield batch
+
+
+def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str) -> SplitSource:
+    """Check a ``data.local`` split (files exist, parquet schemas, text line counts) without reading it."""
     if not spec:
         raise UserError(
             f"data.source is local but data.local.{split} is not set; give either "
@@ -119,22 +167,38 @@ def read_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        try:
-            table = pa.concat_tables(pq.read_table(f) for f in files)
-        except (pa.ArrowInvalid, OSError) as error:
-            raise UserError(f"{files[0]}: cannot read as parquet ({error})") from None
-        src, tgt = pairs_from_arrow(table, src_lang, tgt_lang, ", ".join(files))
-        return src, tgt, files
+        origin = ", ".join(files)
+        rows = 0
+        for path in files:
+            try:
+                metadata = pq.ParquetFile(path)
+            except (pa.ArrowInvalid, OSError) as error:
+                raise UserError(f"{path}: cannot read as parquet ({error})") from None
+            language_columns(metadata.schema_arrow, src_lang, tgt_lang, origin)
+            rows += metadata.metadata.num_rows
+
+        def record_batches():
+            # a row group at a time: iter_batches, pre-buffering by default, held its buffers to the end of the file
+            for path in files:
+                try:
+                    parquet = pq.ParquetFile(path)
+                    for group in range(parquet.num_row_groups):
+                        yield from parquet.read_row_group(group).to_batches(max_chunksize=BATCH_PAIRS)
+                except (pa.ArrowInvalid, OSError) as error:
+                    raise UserError(f"{path}: cannot read as parquet ({error})") from None
+
+        return SplitSource(files, lambda: pairs_from_arrow(record_batches(), src_lang, tgt_lang, origin), rows)
     if "src" not in spec or "tgt" not in spec:
         raise UserError(f"data.local.{split}: needs both src and tgt (or parquet)")
     src_path, tgt_path = os.path.expanduser(spec["src"]), os.path.expanduser(spec["tgt"])
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
+    src_lines, tgt_lines = count_lines(src_path), count_lines(tgt_path)
+    if src_lines != tgt_lines:
         raise UserError(
-            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: source and target files of a "
+            f"{src_path} has {src_lines} lines but {tgt_path} has {tgt_lines}: source and target files of a "
             "parallel corpus must have one line per sentence pair, in the same order"
         )
-    return src, tgt, [src_path, tgt_path]
+    return SplitSource([src_path, tgt_path],
+                       lambda: zip(_batched(iter_lines(src_path)), _batched(iter_lines(tgt_path))), src_lines)
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -152,12 +216,13 @@ def _truthy(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def load_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str], list[str]]:
+def open_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> SplitSource:
     """One split from the Hugging Face hub, failing within seconds (never hanging) without a network.
 
     ``datasets`` retries an unreachable hub for about 20 s per request; we probe it once with a
     short timeout and, if it does not answer, switch the libraries to offline mode before they
-    are imported, so that a filled cache still works and an empty one fails at once.
+    are imported, so that a filled cache still works and an empty one fails at once. The
+    dataset lives memory-mapped in the ``datasets`` cache and is read in Arrow batches.
     """
     if not (_truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE")) and not _hub_reachable():
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -177,52 +242,75 @@ def load_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> tuple
             f"data.local.{split}: {{parquet: /path/to/{hub['name']}/{split_name}-*.parquet}} for each split "
             "(or {src: FILE, tgt: FILE} for plain text)"
         ) from None
-    src, tgt = pairs_from_arrow(dataset.data.table, src_lang, tgt_lang, origin)
-    return src, tgt, [origin]
+    language_columns(dataset.data.schema, src_lang, tgt_lang, origin)
+    arrow = dataset.with_format("arrow")
+    return SplitSource([origin], lambda: pairs_from_arrow(arrow.iter(batch_size=BATCH_PAIRS), src_lang, tgt_lang,
+                                                          origin), len(dataset))
+
+
+def open_demo_split(demo: dict, split: str) -> SplitSource:
+    from aiayn.demo import generate_corpus
+
+    def batches():  # the demo is small by design: generated whole, then handed out in batches
+        pairs = generate_corpus(demo["seed"], {name: demo[name] for name in SPLITS})[split]
+        for start in range(0, len(pairs), BATCH_PAIRS):
+            chunk = pairs[start:start + BATCH_PAIRS]
+            yield [s for s, _ in chunk], [t for _, t in chunk]
+
+    return SplitSource([f"demo(seed={demo['seed']})"], batches, demo[split])
 
 
 def download(data: dict, out_dir: str | Path) -> dict:
     """Write ``<split>.<lang>`` for train, dev and test and ``stats.json`` into ``out_dir``.
 
-    Everything is read and checked before anything is written, so a bad split leaves no
-    partial output behind.
+    Every split is opened and checked first (files, schemas, line counts), then streamed in
+    batches through the cleaning into temporary files beside ``out_dir``; they are renamed into
+    place only when all splits are complete, so a bad split leaves no partial output behind.
     """
+    from tqdm import tqdm
+
     out_dir = Path(out_dir)
     src_lang, tgt_lang = data["src_lang"], data["tgt_lang"]
     if src_lang == tgt_lang:
         raise UserError(f"data.src_lang and data.tgt_lang are both {src_lang!r}; they must differ")
-    corpus: dict[str, tuple[list[str], list[str], SplitStats]] = {}
     if data["source"] == "demo":
-        from aiayn.demo import generate_corpus
-
-        demo = data["demo"]
-        generated = generate_corpus(demo["seed"], {split: demo[split] for split in SPLITS})
-        raw = {split: ([s for s, _ in pairs], [t for _, t in pairs], [f"demo(seed={demo['seed']})"])
-               for split, pairs in generated.items()}
+        sources = {split: open_demo_split(data["demo"], split) for split in SPLITS}
     elif data["source"] == "local":
-        raw = {split: read_local_split(data["local"].get(split), split, src_lang, tgt_lang) for split in SPLITS}
+        sources = {split: open_local_split(data["local"].get(split), split, src_lang, tgt_lang) for split in SPLITS}
     else:
-        raw = {split: load_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
-    for split in SPLITS:
-        src, tgt, origin = raw[split]
-        kept_src, kept_tgt, stats = clean_pairs(src, tgt, split, data.get("max_chars"))
-        stats.origin = origin
-        if not kept_src:
-            raise UserError(
-                f"the {split} split is empty ({', '.join(origin)} gave {stats.pairs_read} pairs, "
-                f"{stats.dropped_empty} empty and {stats.dropped_long} over data.max_chars were dropped)"
-            )
-        corpus[split] = (kept_src, kept_tgt, stats)
-    for split, (src, tgt, _) in corpus.items():
-        write_lines_atomic(out_dir / f"{split}.{src_lang}", src)
-        write_lines_atomic(out_dir / f"{split}.{tgt_lang}", tgt)
-    summary = {
-        "source": data["source"],
-        "src_lang": src_lang,
-        "tgt_lang": tgt_lang,
-        "splits": {split: vars(stats) for split, (_, _, stats) in corpus.items()},
-    }
-    write_json_atomic(out_dir / "stats.json", summary)
+        sources = {split: open_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
+    max_length_ratio = data.get("max_length_ratio")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+    try:
+        all_stats = {}
+        for split, source in sources.items():
+            stats = SplitStats(origin=source.origin, dropped_ratio=0 if max_length_ratio is not None else None)
+            with open(tmp / f"{split}.{src_lang}", "w", encoding="utf-8", newline="\n") as src_file, \
+                 open(tmp / f"{split}.{tgt_lang}", "w", encoding="utf-8", newline="\n") as tgt_file, \
+                 tqdm(total=source.pairs, desc=f"download {split}", unit=" pairs", mininterval=2.0,
+                      disable=None) as progress:
+                for src, tgt in source.batches():
+                    kept_src, kept_tgt = clean_pairs(src, tgt, split, data.get("max_chars"), stats, max_length_ratio)
+                    src_file.writelines(line + "\n" for line in kept_src)
+                    tgt_file.writelines(line + "\n" for line in kept_tgt)
+                    progress.update(len(src))
+            if not stats.pairs_written:
+                ratio = f", {stats.dropped_ratio} over data.max_length_ratio" if stats.dropped_ratio else ""
+                raise UserError(
+                    f"the {split} split is empty ({', '.join(source.origin)} gave {stats.pairs_read} pairs, "
+                    f"{stats.dropped_empty} empty and {stats.dropped_long} over data.max_chars{ratio} were dropped)"
+                )
+            all_stats[split] = stats.as_json()
+        summary = {"source": data["source"], "src_lang": src_lang, "tgt_lang": tgt_lang, "splits": all_stats}
+        write_json_atomic(tmp / "stats.json", summary)
+        out_dir.mkdir(exist_ok=True)
+        for split in SPLITS:
+            for lang in (src_lang, tgt_lang):
+                os.replace(tmp / f"{split}.{lang}", out_dir / f"{split}.{lang}")
+        os.replace(tmp / "stats.json", out_dir / "stats.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return summary
 
 

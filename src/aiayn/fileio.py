@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -85,11 +87,57 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
+def iter_lines(path: str | os.PathLike) -> Iterator[str]:
+    """The lines of ``read_lines``, with its checks, one at a time: memory flat in the file's size."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file (check the path in your config)")
+    with open(path, "rb") as handle:  # binary lines split on b"\n" only, as read_lines splits
+        first = next(handle, b"").removeprefix(codecs.BOM_UTF8)
+        if first == b"\n" and (second := next(handle, None)) is not None:
+            yield ""
+            first = second
+            start = 2
+        elif first in (b"", b"\n"):  # a lone newline is an empty file, as for read_lines
+            return
+        else:
+            start = 1
+        for number, raw in enumerate(itertools.chain([first], handle), start=start):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(
+                    f"{path}, line {number}: bytes that are not UTF-8 ({raw[error.start:error.start + 4]!r}); "
+                    "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                ) from None
+            if line.endswith("\n"):
+                line = line[:-1]
+            yield line[:-1] if line.endswith("\r") else line
+
+
+def count_lines(path: str | os.PathLike) -> int:
+    """How many lines ``read_lines`` would return, counted in blocks (no decoding, constant memory)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file (check the path in your config)")
+    newlines, size, head, last = 0, 0, b"", b""
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 18), b""):
+            head = head or block[:3]
+            newlines += block.count(b"\n")
+            size += len(block)
+            last = block[-1:]
+    body = size - (3 if head == codecs.BOM_UTF8 else 0)
+    if body == 0 or (body == 1 and last == b"\n"):
+        return 0
+    return newlines + (last != b"\n")
+
+
 def fingerprint_files(*paths: str | os.PathLike) -> str:
     """A short sha256 over the contents of the given files, in order."""
     digest = hashlib.sha256()
     for path in paths:
         with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
+            for block in iter(lambda: handle.read(1 << 18), b""):
                 digest.update(block)
     return digest.hexdigest()[:16]

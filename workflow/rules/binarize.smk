@@ -11,8 +11,10 @@ rule binarize:
     log:
         f"{RESULTS}/logs/binarize/{{split}}.log",
     resources:
-        mem_mb=16000,
-        runtime=120,
+        # streams: the parent and each worker hold a few chunks, whatever the corpus; set from the
+        # measurements in BENCHMARKS.md ("Data stages at WMT scale"): EN-FR's train split fits on one process
+        mem_mb=lambda wildcards, threads: 1000 + 250 * threads,
+        runtime=180,
     shell:
         "aiayn binarise --binarize-json {params.binarize:q} --split {wildcards.split} --workers {threads} "
         "--src {input.src} --tgt {input.tgt} --spm-model {input.spm_model} --out-dir {output} > {log} 2>&1"
