@@ -282,6 +282,8 @@ def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(pr
     window = [path.name for path in last_checkpoints(tmp_path / "run" / "checkpoints", 3)]
     assert window[-1] == f"step_{summary['step']:08d}.pt"  # the last step is averaged, no safety file
     assert not list((tmp_path / "run" / "checkpoints").glob("safety_*"))
+    again = train(job(prepared, tmp_path / "run", **{k: v for k, v in preset.items() if k != "name"}))
+    assert (again["step"], again["stopped_by"]) == (summary["step"], "max_minutes")  # the budget is spent
 
 
 def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(prepared, tmp_path, capsys):

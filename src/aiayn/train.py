@@ -609,7 +609,10 @@ class Trainer:
         status = "FAILED"
         try:
             self.training_model.train()
-            while progress.step < settings.steps and progress.wall_seconds < budget:
+            # within the loop the budget ends a run only through the vote (outcome.last), so that every
+            # process stops at the same step and that step is written as a window checkpoint
+            spent_before = progress.wall_seconds >= budget  # a rerun of a run that spent its budget
+            while progress.step < settings.steps and not spent_before:
                 loop_start, step_start = time.monotonic(), time.perf_counter()
                 step = progress.step + 1
                 micro, shape = self.source.next(progress)
@@ -646,6 +649,8 @@ class Trainer:
                     status = "KILLED"
                     raise Preempted(f"stopped at step {step}; checkpoint written to {self.checkpoint_dir}")
             bar.close()
+            if main and not checkpoint_path(self.checkpoint_dir, progress.step).exists() and progress.step:
+                self.save_checkpoint(window=True)  # the run's end is always in the averaging window
             summary = self.finish() if main else {}
             status = "FINISHED"
             return summary
