@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
 from aiayn.binarize import load_split
