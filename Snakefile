@@ -24,5 +24,5 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
-        report_outputs(),
+        rules.report.output,
     default_target: True

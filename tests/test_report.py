@@ -9,7 +9,9 @@ import random
 import pytest
 from conftest import make_pairs
 
-from aiayn.report import base_preset, build_report, dev_perplexity_curves, main
+from aiayn.errors import UserError
+
+from aiayn.report import RunFiles, base_preset, build_report, dev_perplexity_curves, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SEGMENTS = 40
@@ -55,6 +57,28 @@ def write_run(results, preset, seed, history=True):
     return dev_history
 
 
+def files_of(results, runs=tuple(RESULTS)) -> list[RunFiles]:
+    """The files of each (preset, seed) run, laid out as the workflow lays them out."""
+    return [RunFiles(final=results / "train" / preset / f"seed{seed}" / "final.json",
+                     dev_score=results / "score" / preset / f"seed{seed}" / "dev.json",
+                     test_score=results / "score" / preset / f"seed{seed}" / "test.json",
+                     dev_translations=results / "decode" / preset / f"seed{seed}" / "dev.de")
+            for preset, seed in runs]
+
+
+def report_of(results, out, **options):
+    return build_report(PRESETS, files_of(results), out, dev_references=results / "data" / "dev.de", **options)
+
+
+def arguments(results, runs=tuple(RESULTS)) -> list[str]:
+    """The report command's input arguments, as the report rule passes them."""
+    files = files_of(results, runs)
+    return (["--runs", *(str(run.final) for run in files), "--dev-scores", *(str(run.dev_score) for run in files),
+             "--test-scores", *(str(run.test_score) for run in files),
+             "--dev-translations", *(str(run.dev_translations) for run in files),
+             "--dev-references", str(results / "data" / "dev.de")])
+
+
 @pytest.fixture()
 def results(tmp_path):
     results = tmp_path / "results" / "exp"
@@ -72,7 +96,7 @@ def results(tmp_path):
 
 
 def test_tables_have_every_preset_with_mean_std_and_the_difference_to_the_paper(results, tmp_path):
-    report = build_report(PRESETS, results, tmp_path / "report", bootstrap_samples=50, figures=False)
+    report = report_of(results, tmp_path / "report", bootstrap_samples=50, figures=False)
     table3 = report["table3"].set_index("preset")
     table2 = report["table2"].set_index("preset")
     assert list(table3.index) == list(table2.index) == ["A_heads_1", "base"]
@@ -105,7 +129,7 @@ def test_tables_have_every_preset_with_mean_std_and_the_difference_to_the_paper(
 
 
 def test_the_bootstrap_tells_a_much_worse_row_from_the_base(results, tmp_path):
-    table3 = build_report(PRESETS, results, tmp_path, bootstrap_samples=200, figures=False)["table3"]
+    table3 = report_of(results, tmp_path, bootstrap_samples=200, figures=False)["table3"]
     table3 = table3.set_index("preset")
     p_value = table3.loc["A_heads_1", "bootstrap_p_vs_base"]
     assert 0.0 <= p_value <= 1.0
@@ -118,7 +142,7 @@ def test_the_bootstrap_tells_a_much_worse_row_from_the_base(results, tmp_path):
 
 def test_a_row_as_good_as_the_base_gets_a_larger_p_value_than_a_worse_one(results, tmp_path):
     def p_value_vs_base(out):
-        table3 = build_report(PRESETS, results, out, bootstrap_samples=100, figures=False)["table3"]
+        table3 = report_of(results, out, bootstrap_samples=100, figures=False)["table3"]
         return table3.set_index("preset").loc["A_heads_1", "bootstrap_p_vs_base"]
 
     worse = p_value_vs_base(tmp_path / "worse")
@@ -139,7 +163,7 @@ def test_the_base_is_the_paper_base_row_else_the_first_preset():
 
 
 def test_the_pictures_are_png_files(results, tmp_path):
-    report = build_report(PRESETS, results, tmp_path / "report", bootstrap_samples=20)
+    report = report_of(results, tmp_path / "report", bootstrap_samples=20)
     for name in ("dev_ppl.png", "table3_bleu.png"):
         data = (tmp_path / "report" / name).read_bytes()
         assert data.startswith(PNG_MAGIC), name
@@ -156,8 +180,8 @@ def test_dev_curves_come_from_the_history_else_from_metrics_jsonl(tmp_path):
         "".join(json.dumps(record) + "\n" for record in records))
     import pandas as pd
 
-    runs = pd.DataFrame({"preset": ["base", "A_heads_1"], "seed": [1, 1]})
-    curves = dev_perplexity_curves(runs, results)
+    curves = dev_perplexity_curves({(run.final.parent.parent.name, 1): run
+                                    for run in files_of(results, [("base", 1), ("A_heads_1", 1)])})
     assert curves["base"][1] == [(entry["step"], entry["dev_ppl"]) for entry in history]
     assert curves["A_heads_1"][1] == [(100, 9.0), (200, 7.0)]
 
@@ -174,8 +198,8 @@ def test_the_command_writes_everything_and_logs_it_to_the_base_run(results, tmp_
     final.write_text(json.dumps({**json.loads(final.read_text()), "mlflow_run_id": run_id}))
 
     out = tmp_path / "report"
-    status = main(["--presets-json", json.dumps(PRESETS), "--results", str(results), "--out-dir", str(out),
-                   "--seeds", "1", "2", "--bootstrap-samples", "20", "--tracking-uri", uri])
+    status = main(["--presets-json", json.dumps(PRESETS), *arguments(results), "--out-dir", str(out),
+                   "--bootstrap-samples", "20", "--tracking-uri", uri])
     assert status == 0
     logged = {artifact.path for artifact in client.list_artifacts(run_id, "report")}
     assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/table3_bleu.png"} <= logged
@@ -183,7 +207,28 @@ def test_the_command_writes_everything_and_logs_it_to_the_base_run(results, tmp_
 
 def test_missing_dev_translations_are_a_user_error(results, tmp_path, capsys):
     (results / "decode" / "A_heads_1" / "seed2" / "dev.de").unlink()
-    status = main(["--presets-json", json.dumps(PRESETS), "--results", str(results), "--out-dir", str(tmp_path),
+    status = main(["--presets-json", json.dumps(PRESETS), *arguments(results), "--out-dir", str(tmp_path),
                    "--no-tracking", "--no-figures"])
     assert status == 2
     assert "dev.de: missing" in capsys.readouterr().err
+
+
+def test_the_report_reads_only_the_files_it_is_given(results, tmp_path):
+    # a run of the results folder that is not passed is not reported; lists of another length are refused
+    report = build_report(PRESETS, files_of(results, [("base", 1), ("A_heads_1", 1)]), tmp_path / "report",
+                          dev_references=results / "data" / "dev.de", bootstrap_samples=0, figures=False)
+    assert list(report["table3"]["seeds"]) == [1, 1]
+    options = arguments(results, [("base", 1), ("A_heads_1", 1)])
+    cut = options.index("--test-scores") + 1
+    status = main(["--presets-json", json.dumps(PRESETS), *options[:cut], *options[cut + 1:], "--out-dir",
+                   str(tmp_path / "other"), "--no-tracking", "--no-figures"])
+    assert status == 2
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_run_given_twice_or_of_another_preset_is_refused(results, tmp_path, capsys):
+    twice = files_of(results, [("base", 1), ("base", 1)])
+    with pytest.raises(UserError, match="given twice"):
+        build_report(PRESETS, twice, tmp_path, bootstrap_samples=0, figures=False)
+    with pytest.raises(UserError, match="not one of the reported presets"):
+        build_report({"base": PRESETS["base"]}, files_of(results), tmp_path, bootstrap_samples=0, figures=False)

@@ -17,7 +17,9 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, read_lines, write_text_atomic
@@ -41,38 +43,60 @@ def base_preset(presets: dict) -> str:
                 next(iter(presets)))
 
 
-def collect_runs(presets: dict, results: str | Path, seeds: list[int] | None = None):
-    """One row per (preset, seed) run found under ``results``: training summary and scores."""
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one training run that the report reads, as the workflow names them (its inputs)."""
+
+    final: Path  # the run's final.json: preset, seed, training summary, dev history
+    dev_score: Path
+    test_score: Path
+    dev_translations: Path | None = None  # needed by the paired bootstrap only
+
+    @property
+    def run_dir(self) -> Path:
+        return self.final.parent
+
+
+def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
+    """One row per run, in the order given: training summary and scores (preset and seed from final.json).
+
+    Returns the table and the files of each (preset, seed)."""
     import pandas as pd
 
-    results = Path(results)
-    rows = []
-    for name, preset in presets.items():
-        run_root = results / "train" / name
-        found_seeds = seeds or sorted(int(p.name[4:]) for p in run_root.glob("seed*") if p.name[4:].isdigit())
-        for seed in found_seeds:
-            final = _read_json(run_root / f"seed{seed}" / "final.json")
-            dev = _read_json(results / "score" / name / f"seed{seed}" / "dev.json")
-            test = _read_json(results / "score" / name / f"seed{seed}" / "test.json")
-            paper = preset.get("paper") or {}
-            rows.append({
-                "preset": name, "seed": seed, "row": paper.get("row", name),
-                "steps": final["step"], "params": final["parameters"], "train_hours": final["train_hours"],
-                "train_flops_analytic": final["train_flops"], "train_cost_gpu_hours_x_peak": _gpu_cost(final),
-                "real_src_tokens_per_step": final.get("real_src_tokens_per_step", math.nan),
-                "real_tgt_tokens_per_step": final.get("real_tgt_tokens_per_step", math.nan), "dev_ppl": final.get("dev_ppl"),
-                "dev_bleu_tok": dev["bleu_tok"], "dev_sacrebleu": dev["sacrebleu"],
-                "dev_length_ratio": dev.get("length_ratio", math.nan),
-                "test_bleu_tok": test["bleu_tok"], "test_sacrebleu": test["sacrebleu"],
-                "test_length_ratio": test.get("length_ratio", math.nan),
-                "test_chrf": test["chrf"], "sacrebleu_signature": test["sacrebleu_signature"],
-                "paper_ppl_dev": paper.get("ppl_dev"), "paper_bleu_dev": paper.get("bleu_dev"),
-                "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
-                "paper_train_flops": paper.get("train_flops"), "mlflow_run_id": final.get("mlflow_run_id"),
-            })
+    rows, files = [], {}
+    for run in run_files:
+        final = _read_json(run.final)
+        dev, test = _read_json(run.dev_score), _read_json(run.test_score)
+        name, seed = final.get("preset"), final.get("seed")
+        if name not in presets:
+            raise UserError(f"{run.final}: a run of preset {name!r}, which is not one of the reported presets "
+                            f"({', '.join(presets)}); pass the runs of those presets only")
+        if (name, seed) in files:
+            raise UserError(f"{run.final}: preset {name} seed {seed} is given twice "
+                            f"(also {files[(name, seed)].final}); pass each run once")
+        files[(name, seed)] = run
+        paper = presets[name].get("paper") or {}
+        rows.append({
+            "preset": name, "seed": seed, "row": paper.get("row", name),
+            "steps": final["step"], "params": final["parameters"], "train_hours": final["train_hours"],
+            "train_flops_analytic": final["train_flops"], "train_cost_gpu_hours_x_peak": _gpu_cost(final),
+            "real_src_tokens_per_step": final.get("real_src_tokens_per_step", math.nan),
+            "real_tgt_tokens_per_step": final.get("real_tgt_tokens_per_step", math.nan), "dev_ppl": final.get("dev_ppl"),
+            "dev_bleu_tok": dev["bleu_tok"], "dev_sacrebleu": dev["sacrebleu"],
+            "dev_length_ratio": dev.get("length_ratio", math.nan),
+            "test_bleu_tok": test["bleu_tok"], "test_sacrebleu": test["sacrebleu"],
+            "test_length_ratio": test.get("length_ratio", math.nan),
+            "test_chrf": test["chrf"], "sacrebleu_signature": test["sacrebleu_signature"],
+            "paper_ppl_dev": paper.get("ppl_dev"), "paper_bleu_dev": paper.get("bleu_dev"),
+            "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
+            "paper_train_flops": paper.get("train_flops"), "mlflow_run_id": final.get("mlflow_run_id"),
+        })
     if not rows:
-        raise UserError(f"{results}: no training runs of {', '.join(presets)} found; run the stages first")
-    return pd.DataFrame(rows)
+        raise UserError(f"no training runs given (--runs) for {', '.join(presets)}; run the stages first")
+    # the presets in config order, each preset's seeds in the order given
+    order = {name: index for index, name in enumerate(presets)}
+    rows.sort(key=lambda row: order[row["preset"]])
+    return pd.DataFrame(rows), files
 
 
 def _gpu_cost(final: dict) -> float:
@@ -107,26 +131,29 @@ def summarise(runs, columns: list[str], paper_pairs: dict[str, str]):
     return table.loc[order].reset_index()
 
 
-def bootstrap_against_base(runs, results: str | Path, base: str, tgt_lang: str = "de",
+def bootstrap_against_base(runs, files: dict, dev_references: Path, base: str,
                            n_samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED):
     """Paired bootstrap of every preset's dev translations against the base preset's (detokenized BLEU).
 
     Each seed's translations are paired with the base's of the same seed, segment by segment, and
     the seeds are pooled into one test (with one seed this is exactly sacreBLEU's test). Returns one
     row per preset: the p-value (empty for the base itself) and the bootstrap mean BLEU with its 95%
-    confidence half-width.
+    confidence half-width. `files` maps (preset, seed) to its RunFiles (``collect_runs``).
     """
     import pandas as pd
 
     from aiayn.score import paired_bootstrap
 
-    results = Path(results)
-    references = read_lines(results / "data" / f"dev.{tgt_lang}")
+    if dev_references is None:
+        raise UserError("the paired bootstrap needs the dev references (--dev-references), "
+                        "or pass --bootstrap-samples 0 to skip the test")
+    references = read_lines(dev_references)
 
     def translations(preset: str, run_seed: int) -> list[str]:
-        path = results / "decode" / preset / f"seed{run_seed}" / f"dev.{tgt_lang}"
-        if not path.exists():
-            raise UserError(f"{path}: missing; the paired bootstrap needs every run's dev translations "
+        path = files[(preset, run_seed)].dev_translations
+        if path is None or not Path(path).exists():
+            shown = path if path is not None else f"the dev translations of {preset} seed {run_seed}"
+            raise UserError(f"{shown}: missing; the paired bootstrap needs every run's dev translations "
                             "(run the decode stage first, or pass --bootstrap-samples 0 to skip the test)")
         return read_lines(path)
 
@@ -150,17 +177,17 @@ def bootstrap_against_base(runs, results: str | Path, base: str, tgt_lang: str =
     return pd.DataFrame(rows, columns=columns)
 
 
-def dev_perplexity_curves(runs, results: str | Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
-    """preset -> seed -> [(step, dev perplexity)], from final.json's dev_history, else metrics.jsonl."""
-    results = Path(results)
+def dev_perplexity_curves(files: dict) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """preset -> seed -> [(step, dev perplexity)], from final.json's dev_history, else the metrics.jsonl
+    beside it. `files` maps (preset, seed) to its RunFiles."""
     curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    for preset, run_seed in zip(runs["preset"], runs["seed"]):
-        run_dir = results / "train" / preset / f"seed{run_seed}"
-        history = _read_json(run_dir / "final.json").get("dev_history") or []
+    for (preset, run_seed), run in files.items():
+        history = _read_json(run.final).get("dev_history") or []
         points = {int(entry["step"]): float(entry["dev_ppl"]) for entry in history if "dev_ppl" in entry}
-        if not points and (run_dir / "metrics.jsonl").exists():
+        metrics = run.run_dir / "metrics.jsonl"
+        if not points and metrics.exists():
             # A resumed job appends to metrics.jsonl, so a step can appear twice: the last record wins.
-            for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            for line in metrics.read_text(encoding="utf-8").splitlines():
                 record = json.loads(line) if line.strip() else {}
                 if "dev_ppl" in record:
                     points[int(record["step"])] = float(record["dev_ppl"])
@@ -186,17 +213,18 @@ def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
     return notes
 
 
-def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds: list[int] | None = None, *,
-                 bootstrap_samples: int = BOOTSTRAP_SAMPLES, base: str | None = None, tgt_lang: str = "de",
-                 figures: bool = True) -> dict:
-    """Write table2/table3 (.csv, .md) and, with ``figures``, dev_ppl.png and table3_bleu.png."""
+def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Path, *,
+                 dev_references: str | Path | None = None, bootstrap_samples: int = BOOTSTRAP_SAMPLES,
+                 base: str | None = None, figures: bool = True) -> dict:
+    """Write table2/table3 (.csv, .md) and, with ``figures``, dev_ppl.png and table3_bleu.png, from the
+    given runs' files (``RunFiles``); the bootstrap also reads the dev references."""
     if bootstrap_samples < 0:
         raise UserError(f"--bootstrap-samples {bootstrap_samples}: give a number of resamples, "
                         "or 0 to skip the test")
     base = base or base_preset(presets)
     if base not in presets:
         raise UserError(f"--base {base}: not one of the reported presets ({', '.join(presets)})")
-    runs = collect_runs(presets, results, seeds)
+    runs, files = collect_runs(presets, run_files)
     tokens = ["real_src_tokens_per_step", "real_tgt_tokens_per_step"]
     table2 = _with_tokens_column(summarise(
         runs, ["test_bleu_tok", "test_sacrebleu", "test_length_ratio", "test_chrf", *tokens, "steps", "train_hours",
@@ -206,12 +234,13 @@ def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds:
         runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours"],
         {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
     if bootstrap_samples:
-        bootstrap = bootstrap_against_base(runs, results, base, tgt_lang, bootstrap_samples)
+        bootstrap = bootstrap_against_base(runs, files, dev_references and Path(dev_references), base,
+                                           bootstrap_samples)
         table3 = table3.merge(bootstrap, on="preset", how="left")
     out_dir = Path(out_dir)
     signature = runs["sacrebleu_signature"].iloc[0]
     notes = _notes(signature, base, bootstrap_samples)
-    files = []
+    written = []
     for name, table, title in (
         ("table2", table2, "Table 2: the test split (newstest2014 in the paper), averaged checkpoints"),
         ("table3", table3, "Table 3: the dev split (newstest2013 in the paper), no averaging"),
@@ -221,36 +250,56 @@ def build_report(presets: dict, results: str | Path, out_dir: str | Path, seeds:
         shown = table.drop(columns=[c for c in table.columns if c.startswith(("real_src_tokens", "real_tgt_tokens"))])
         markdown = shown.to_markdown(index=False, floatfmt=".4g")
         write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}")
-        files += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
+        written += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
     if figures:
         from aiayn import plots
 
-        files.append(plots.plot_dev_perplexity(dev_perplexity_curves(runs, results), out_dir / "dev_ppl.png"))
+        written.append(plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / "dev_ppl.png"))
         std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
         labels = [preset if row == preset else f"{preset}\n({row})"
                   for preset, row in zip(table3["preset"], table3["row"])]
-        files.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
+        written.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
                                             table3["paper_bleu_dev"], out_dir / "table3_bleu.png",
                                             ylabel="dev BLEU (tokenized, as the paper's)"))
-    return {"table2": table2, "table3": table3, "runs": runs, "base": base, "files": files}
+    return {"table2": table2, "table3": table3, "runs": runs, "run_files": files, "base": base,
+            "files": written}
 
 
-def base_run_file(results: str | Path, base: str, runs) -> Path | None:
-    """final.json of the base preset's first reported seed: the MLflow run the report is logged into."""
-    seeds = runs.loc[runs["preset"] == base, "seed"]
-    return Path(results) / "train" / base / f"seed{seeds.iloc[0]}" / "final.json" if len(seeds) else None
+def base_run_file(report: dict) -> Path | None:
+    """final.json of the base preset's first reported run: the MLflow run the report is logged into."""
+    seeds = report["runs"].loc[report["runs"]["preset"] == report["base"], "seed"]
+    return report["run_files"][(report["base"], seeds.iloc[0])].final if len(seeds) else None
+
+
+def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
+    """--runs, --dev-scores, --test-scores (and --dev-translations): one file per run, in the same order."""
+    lists = {"--dev-scores": args.dev_scores, "--test-scores": args.test_scores}
+    if args.dev_translations is not None:
+        lists["--dev-translations"] = args.dev_translations
+    for option, paths in lists.items():
+        if len(paths) != len(args.runs):
+            raise UserError(f"{option} names {len(paths)} files but --runs names {len(args.runs)}; give one per "
+                            "run, in the order of --runs")
+    translations = args.dev_translations or [None] * len(args.runs)
+    return [RunFiles(final, dev, test, translated)
+            for final, dev, test, translated in zip(args.runs, args.dev_scores, args.test_scores, translations)]
 
 
 @cli
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
     parser.add_argument("--presets-json", required=True, help="resolved presets by name (what the Snakefile passes)")
-    parser.add_argument("--results", required=True, help="the experiment's results folder")
+    parser.add_argument("--runs", type=Path, nargs="+", required=True,
+                        help="each run's final.json (the train stage's output)")
+    parser.add_argument("--dev-scores", type=Path, nargs="+", required=True,
+                        help="each run's dev score JSON, in the order of --runs")
+    parser.add_argument("--test-scores", type=Path, nargs="+", required=True,
+                        help="each run's test score JSON, in the order of --runs")
+    parser.add_argument("--dev-translations", type=Path, nargs="+",
+                        help="each run's dev translations, in the order of --runs (for the paired bootstrap)")
+    parser.add_argument("--dev-references", type=Path, help="the dev split's references (for the paired bootstrap)")
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", help="seeds to report (default: every seed found)")
     parser.add_argument("--base", help="preset the others are tested against (default: paper.row base, else the first)")
-    parser.add_argument("--tgt-lang", default="de",
-                        help="target language, the suffix of the dev translations (default: de)")
     parser.add_argument("--bootstrap-samples", type=int, default=BOOTSTRAP_SAMPLES,
                         help=f"paired bootstrap resamples (default: {BOOTSTRAP_SAMPLES}; 0 skips the test)")
     parser.add_argument("--no-figures", action="store_true", help="tables only")
@@ -266,15 +315,15 @@ def main(argv=None):
         presets = json.loads(args.presets_json)
     except json.JSONDecodeError as error:
         raise UserError(f"--presets-json is not valid JSON ({error})") from None
-    report = build_report(presets, args.results, args.out_dir, args.seeds, bootstrap_samples=args.bootstrap_samples,
-                          base=args.base, tgt_lang=args.tgt_lang, figures=not args.no_figures)
+    report = build_report(presets, run_files_from_arguments(args), args.out_dir, dev_references=args.dev_references,
+                          bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures)
     files = report["files"]
     if args.attention_model is not None and not args.no_figures:
         from aiayn.attention import appendix_figures
 
         drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
         files += [drawn["long_distance"], drawn["anaphora"]]
-    run_file = base_run_file(args.results, report["base"], report["runs"])
+    run_file = base_run_file(report)
     if not args.no_tracking and run_file is None:
         print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)
     elif not args.no_tracking:

@@ -1,14 +1,15 @@
 rule average:
     input:
-        f"{RESULTS}/train/{{model}}/seed{{seed}}/final.json",
+        rules.train.output.final,
     output:
-        f"{RESULTS}/average/{{model}}/seed{{seed}}/model.pt",
+        model=f"{RESULTS}/average/{{model}}/seed{{seed}}/model.pt",
     params:
         last=lambda w: preset(w)["average_last"],
-        checkpoint_dir=lambda w: f"{run_dir(w)}/checkpoints",
+        # the train stage writes its checkpoints beside final.json
+        checkpoint_dir=lambda w, input: Path(input[0]).parent / "checkpoints",
         tracking_uri=config["tracking_uri"],
     log:
-        f"{RESULTS}/logs/average/{{model}}/seed{{seed}}.log",
+        log_file("average", *RUN_LOG),
     resources:
         mem_mb=16000,
         runtime=30,

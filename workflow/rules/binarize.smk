@@ -1,7 +1,7 @@
 rule binarize:
     input:
-        src=f"{RESULTS}/data/{{split}}.{SRC}",
-        tgt=f"{RESULTS}/data/{{split}}.{TGT}",
+        src=data_text(lang=SRC),
+        tgt=data_text(lang=TGT),
         spm_model=rules.bpe.output.model,
     output:
         directory(f"{RESULTS}/bin/{{split}}"),
@@ -9,7 +9,7 @@ rule binarize:
         binarize=to_json(config["binarize"]),
     threads: config["binarize"]["workers"]
     log:
-        f"{RESULTS}/logs/binarize/{{split}}.log",
+        log_file("binarize", "{split}"),
     resources:
         # streams: the parent and each worker hold a few chunks, whatever the corpus; set from the
         # measurements in BENCHMARKS.md ("Data stages at WMT scale"): EN-FR's train split fits on one process

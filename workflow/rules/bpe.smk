@@ -1,17 +1,17 @@
 rule bpe:
     input:
-        f"{RESULTS}/data/train.{SRC}",
-        f"{RESULTS}/data/train.{TGT}",
+        data_text("train", SRC),
+        data_text("train", TGT),
     output:
         model=f"{RESULTS}/bpe/spm.model",
         vocab=f"{RESULTS}/bpe/spm.vocab",
         info=f"{RESULTS}/bpe/bpe.json",
     params:
         bpe=to_json(config["bpe"]),
-        out_dir=f"{RESULTS}/bpe",
+        out_dir=lambda w, output: Path(output.model).parent,
     threads: workflow.cores
     log:
-        f"{RESULTS}/logs/bpe.log",
+        log_file("bpe"),
     resources:
         mem_mb=32000,
         runtime=240,

@@ -43,28 +43,40 @@ wildcard_constraints:
     split="train|dev|test",
 
 
+# Every path is written once: the rule that makes a file names it with these helpers, and the rules
+# that read it take it from that rule's output (rules.<name>.output), never spell it again.
+def data_text(split="{split}", lang="{lang}"):
+    """A split's plain text, one sentence a line (the download stage's output)."""
+    return f"{RESULTS}/data/{split}.{lang}"
+
+
+def run_file(name):
+    """A file of one training run, results/<experiment>/train/<model>/seed<seed>/<name>."""
+    return f"{RESULTS}/train/{{model}}/seed{{seed}}/{name}"
+
+
+def log_file(*parts):
+    """A job's log: results/<experiment>/logs/<parts joined by />.log (one per stage, or per run and split)."""
+    return f"{RESULTS}/logs/{'/'.join(parts)}.log"
+
+
+RUN_LOG = ("{model}", "seed{seed}")  # the log parts of a per-run job
+
+
+def for_run(template, wildcards):
+    """A rule's output template with the wildcards of a job (or a dict of them) filled in."""
+    return template.format(**dict(wildcards.items()))
+
+
 def preset(wildcards):
     return PRESETS[wildcards.model]
 
 
-def run_dir(wildcards):
-    return f"{RESULTS}/train/{wildcards.model}/seed{wildcards.seed}"
-
-
 def runs():
-    """Every (model, seed) pair the config asks for."""
+    """Every (model, seed) pair the config asks for, in config order."""
     return [(model, seed) for model in config["models"] for seed in config["seeds"]]
 
 
-def score_outputs():
-    return [
-        f"{RESULTS}/score/{model}/seed{seed}/{split}.json"
-        for model, seed in runs()
-        for split in ("dev", "test")
-    ]
-
-
-def report_outputs():
-    tables = [f"{RESULTS}/report/{table}.{ext}" for table in ("table2", "table3") for ext in ("csv", "md")]
-    figures = ["dev_ppl", "table3_bleu", "attention_long_distance", "attention_anaphora"]
-    return tables + [f"{RESULTS}/report/{figure}.png" for figure in figures]
+def for_every_run(template, **wildcards):
+    """A per-run template for every run of runs(), in that order (more wildcards, e.g. split, fixed)."""
+    return [template.format(model=model, seed=seed, **wildcards) for model, seed in runs()]

@@ -1,12 +1,12 @@
 rule download:
     output:
-        texts=expand("{results}/data/{split}.{lang}", results=RESULTS, split=SPLITS, lang=[SRC, TGT]),
+        texts=[data_text(split, lang) for split in SPLITS for lang in (SRC, TGT)],
         stats=f"{RESULTS}/data/stats.json",
     params:
         data=to_json(config["data"]),
-        out_dir=f"{RESULTS}/data",
+        out_dir=lambda w, output: Path(output.stats).parent,
     log:
-        f"{RESULTS}/logs/download.log",
+        log_file("download"),
     resources:
         # streams, so memory is flat in the corpus, except in datasets' own conversion of the hub's
         # files; set from the measurements and the EN-FR extrapolation in BENCHMARKS.md ("Data stages

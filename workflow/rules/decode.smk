@@ -1,14 +1,13 @@
 def decode_model(wildcards):
     """The paper's protocol: Table 3 (dev) without averaging, Table 2 (test) with it."""
-    if wildcards.split == "dev":
-        return f"{RESULTS}/train/{wildcards.model}/seed{wildcards.seed}/final.pt"
-    return f"{RESULTS}/average/{wildcards.model}/seed{wildcards.seed}/model.pt"
+    made_by = rules.train.output.model if wildcards.split == "dev" else rules.average.output.model
+    return for_run(made_by, wildcards)
 
 
 rule decode:
     input:
         model=decode_model,
-        source=f"{RESULTS}/data/{{split}}.{SRC}",
+        source=data_text(lang=SRC),
         spm_model=rules.bpe.output.model,
     output:
         f"{RESULTS}/decode/{{model}}/seed{{seed}}/{{split}}.{TGT}",
@@ -16,7 +15,7 @@ rule decode:
         decode=to_json(config["decode"]),
     threads: 2
     log:
-        f"{RESULTS}/logs/decode/{{model}}/seed{{seed}}/{{split}}.log",
+        log_file("decode", *RUN_LOG, "{split}"),
     resources:
         gpu=lambda w: min(1, preset(w)["gpus"]),
         mem_mb=16000,

@@ -9,11 +9,13 @@ REPORT = f"{RESULTS}/report"
 
 rule report:
     input:
-        scores=score_outputs(),
-        runs=[f"{RESULTS}/train/{model}/seed{seed}/final.json" for model, seed in runs()],
-        dev_translations=[f"{RESULTS}/decode/{model}/seed{seed}/dev.{TGT}" for model, seed in runs()],
-        dev_references=f"{RESULTS}/data/dev.{TGT}",
-        attention_model=f"{RESULTS}/average/{REPORT_BASE}/seed{config['seeds'][0]}/model.pt",
+        # one file per run, every list in the order of runs(): the report pairs them by position
+        runs=for_every_run(rules.train.output.final),
+        dev_scores=for_every_run(rules.score.output[0], split="dev"),
+        test_scores=for_every_run(rules.score.output[0], split="test"),
+        dev_translations=for_every_run(rules.decode.output[0], split="dev"),
+        dev_references=data_text("dev", TGT),
+        attention_model=for_run(rules.average.output.model, {"model": REPORT_BASE, "seed": config["seeds"][0]}),
         spm_model=rules.bpe.output.model,
     output:
         table2_csv=report(f"{REPORT}/table2.csv", caption="../report/table2.rst", category="Tables"),
@@ -33,20 +35,17 @@ rule report:
     params:
         # not to_json, which sorts the keys: the tables keep the order of `models` in the config
         presets=json.dumps(PRESETS, separators=(",", ":")),
-        # derived from the files, not written out again, so that they can never disagree with them
         out_dir=lambda w, output: Path(output.table3_csv).parent,
-        results=lambda w, input: Path(input.dev_references).parent.parent,
-        seeds=config["seeds"],
         base=REPORT_BASE,
-        tgt_lang=TGT,
         tracking_uri=config["tracking_uri"],
     log:
-        f"{RESULTS}/logs/report.log",
+        log_file("report"),
     resources:
         mem_mb=4000,
         runtime=20,
     shell:
-        "aiayn report --presets-json {params.presets:q} --results {params.results} --out-dir {params.out_dir} "
-        "--seeds {params.seeds} --base {params.base} --tgt-lang {params.tgt_lang} "
+        "aiayn report --presets-json {params.presets:q} --out-dir {params.out_dir} --base {params.base} "
+        "--runs {input.runs} --dev-scores {input.dev_scores} --test-scores {input.test_scores} "
+        "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
         "--tracking-uri {params.tracking_uri:q} > {log} 2>&1"

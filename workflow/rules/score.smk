@@ -1,15 +1,15 @@
 rule score:
     input:
-        hyp=f"{RESULTS}/decode/{{model}}/seed{{seed}}/{{split}}.{TGT}",
-        ref=f"{RESULTS}/data/{{split}}.{TGT}",
-        run=f"{RESULTS}/train/{{model}}/seed{{seed}}/final.json",
+        hyp=rules.decode.output[0],
+        ref=data_text(lang=TGT),
+        run=rules.train.output.final,
     output:
         f"{RESULTS}/score/{{model}}/seed{{seed}}/{{split}}.json",
     params:
         lang=TGT,
         tracking_uri=config["tracking_uri"],
     log:
-        f"{RESULTS}/logs/score/{{model}}/seed{{seed}}/{{split}}.log",
+        log_file("score", *RUN_LOG, "{split}"),
     resources:
         mem_mb=4000,
         runtime=20,

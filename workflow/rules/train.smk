@@ -1,20 +1,20 @@
 rule train:
     input:
-        train=f"{RESULTS}/bin/train",
-        dev=f"{RESULTS}/bin/dev",
+        train=for_run(rules.binarize.output[0], {"split": "train"}),
+        dev=for_run(rules.binarize.output[0], {"split": "dev"}),
         spm_model=rules.bpe.output.model,
     output:
-        final=f"{RESULTS}/train/{{model}}/seed{{seed}}/final.json",
-        model=f"{RESULTS}/train/{{model}}/seed{{seed}}/final.pt",
+        final=run_file("final.json"),
+        model=run_file("final.pt"),
     params:
         preset=lambda w: to_json(preset(w)),
         train=to_json(config["train"]),
-        run_dir=run_dir,
+        run_dir=lambda w, output: Path(output.final).parent,
         experiment=config["experiment"],
         tracking_uri=config["tracking_uri"],
     threads: config["train"]["threads"] or 2
     log:
-        f"{RESULTS}/logs/train/{{model}}/seed{{seed}}.log",
+        log_file("train", *RUN_LOG),
     resources:
         gpu=lambda w: preset(w)["gpus"],
         cpus_per_gpu=8,
