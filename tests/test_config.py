@@ -142,3 +142,18 @@ def test_the_en_fr_config_is_table2s_other_column():
     assert (config["data"]["hub"]["name"], config["data"]["tgt_lang"]) == ("fr-en", "fr")
     big = resolve_preset(config, "big")
     assert big["dropout"] == 0.1 and big["paper"]["bleu_test"] == 41.8
+
+
+def test_a_section_given_as_json_is_checked_and_gets_the_schemas_defaults(capsys):
+    from aiayn.bpe import main as bpe_main
+    from aiayn.config import check_section, section_defaults
+
+    decode = check_section("decode", {"beam_size": 2}, "--decode-json")
+    assert decode == {**section_defaults("decode"), "beam_size": 2}
+    assert check_section("data", {}, "x")["hub"]["splits"]["dev"] == "validation"  # nested defaults too
+    with pytest.raises(UserError, match=r"--decode-json: decode.beam_size = 0"):
+        check_section("decode", {"beam_size": 0}, "--decode-json")
+    # through a stage's command line: one message, exit 2
+    status = bpe_main(["--bpe-json", '{"vocab_sise": 100}', "--out-dir", "unused", "in.txt"])
+    assert status == 2
+    assert "unknown key bpe.vocab_sise" in capsys.readouterr().err

@@ -207,10 +207,53 @@ def add_config_arguments(parser, section: str) -> None:
                        help=f"the already validated `{section}` section as JSON (what the Snakefile passes)")
 
 
-def section_from_arguments(args, section: str) -> Any:
+def _schema() -> dict:
+    import yaml
+
+    return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def section_schema(section: str) -> dict:
+    """The schema of one top-level section (``data``, ``bpe``, ``train``, ...), standing on its own."""
+    schema = _schema()
+    return {"$defs": schema.get("$defs", {}), **schema["properties"][section]}
+
+
+def section_defaults(section: str) -> dict:
+    """A section with nothing set: every key at the schema's default (the one place defaults are written)."""
+    return check_section(section, {}, "defaults")
+
+
+def _fill_defaults(schema: dict, values: dict) -> None:
+    for key, child in schema.get("properties", {}).items():
+        if key not in values and "default" in child:
+            values[key] = copy.deepcopy(child["default"])
+        if isinstance(values.get(key), dict):
+            _fill_defaults(child, values[key])
+
+
+def check_section(section: str, values: Any, source: str) -> dict:
+    """One section given on its own (``--<section>-json``, what the Snakefile passes, or by hand):
+    checked against its part of the schema and filled with the schema's defaults, as a whole config is."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(section_schema(section))
+    errors = sorted(validator.iter_errors(values), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    if errors:
+        error = jsonschema.exceptions.best_match(errors)
+        error.path.appendleft(section)
+        raise UserError(_schema_error_message(error, [source]))
+    values = copy.deepcopy(values)
+    _fill_defaults(section_schema(section), values)
+    return values
+
+
+def section_from_arguments(args, section: str) -> dict:
+    """The section from --<section>-json (checked, defaults filled) or from --config files."""
     if args.section_json is not None:
         try:
-            return json.loads(args.section_json)
+            values = json.loads(args.section_json)
         except json.JSONDecodeError as error:
             raise UserError(f"--{section}-json is not valid JSON ({error})") from None
+        return check_section(section, values, f"--{section}-json")
     return load_config(args.config)[section]
