@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import tiny_preset
 
+from aiayn.config import section_defaults
 from aiayn.tracking import Tracker
 
-TRAIN_SECTION = {"tokens_per_step": 600, "device_tokens": 600, "adam_betas": [0.9, 0.98], "adam_eps": 1e-9,
-                 "log_every": 2, "dev_every": 0, "compile": False, "precision": "fp32", "threads": 0}
+# the schema's defaults, with a small batch and frequent logging
+TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
+                 "dev_every": 0, "precision": "fp32"}
 
 
 def environment() -> dict[str, str]:

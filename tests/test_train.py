@@ -14,14 +14,15 @@ import pytest
 from conftest import tiny_preset
 import torch
 
-from aiayn.checkpoint import list_checkpoints, load_checkpoint
+from aiayn.checkpoint import list_checkpoints, load_checkpoint, window_steps
+from aiayn.config import section_defaults
 from aiayn.errors import UserError
-from aiayn.checkpoint import window_steps
 from aiayn.train import (Distributed, TrainingDiverged, TrainJob, choose_device, label_smoothed_loss, learning_rate,
                          train)
 
-TRAIN_SECTION = {"tokens_per_step": 600, "device_tokens": 600, "adam_betas": [0.9, 0.98], "adam_eps": 1e-9,
-                 "log_every": 2, "dev_every": 3, "compile": False, "precision": "fp32", "threads": 0, "device": "cpu"}
+# the schema's defaults, with a small batch and frequent logging
+TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
+                 "dev_every": 3, "precision": "fp32", "device": "cpu"}
 
 
 def job(prepared, run_dir, track=False, tracking_uri=None, **overrides) -> TrainJob:

@@ -190,6 +190,16 @@ def _check_heads(name: str, preset: dict, sources: Sequence[str]) -> None:
         )
 
 
+def check_resolved_preset(preset: Any, source: str) -> None:
+    """A resolved preset given on its own (``--preset-json``) must set every key a preset needs."""
+    if not isinstance(preset, dict):
+        raise UserError(f"{source}: a preset is a mapping of keys to values, got {type(preset).__name__}")
+    missing = [key for key in PRESET_KEYS if key not in preset]
+    if missing:
+        raise UserError(f"{source}: the preset does not set {', '.join(missing)} (pass a resolved preset, as the "
+                        "Snakefile does: every key of config/README.md's preset table)")
+
+
 def model_fields(preset: dict) -> dict:
     """The ModelConfig fields of a resolved preset (the vocabulary size comes from the BPE stage)."""
     return {key: preset[key] for key in MODEL_KEYS}

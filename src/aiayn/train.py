@@ -29,6 +29,7 @@ from aiayn.bpe import PAD_ID
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, is_window_step,
                               list_checkpoints, load_checkpoint, save_model)
+from aiayn.config import check_resolved_preset, check_section
 from aiayn.errors import UserError, cli
 from aiayn.fileio import write_json_atomic
 from aiayn.model import ModelConfig, Transformer
@@ -153,7 +154,7 @@ class TrainSettings:
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int) -> "TrainSettings":
         return cls(
-            steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset.get("lr_scale", 1.0),
+            steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset["lr_scale"],
             label_smoothing=preset["label_smoothing"], tokens_per_step=train["tokens_per_step"],
             device_tokens=train["device_tokens"], adam_betas=tuple(train["adam_betas"]), adam_eps=train["adam_eps"],
             # averaging needs the last K checkpoints on disk
@@ -161,7 +162,7 @@ class TrainSettings:
             checkpoint_steps=preset["checkpoint_steps"], checkpoint_minutes=preset["checkpoint_minutes"],
             layout=max(1, preset["gpus"]),
             # a preset's own budget wins over the train section's
-            max_minutes=preset["max_minutes"] if "max_minutes" in preset else train.get("max_minutes"),
+            max_minutes=preset["max_minutes"] if "max_minutes" in preset else train["max_minutes"],
             log_every=train["log_every"], dev_every=train["dev_every"], compile=train["compile"],
             precision=train["precision"], seed=seed,
         )
@@ -387,8 +388,8 @@ class Trainer:
     def __init__(self, job: TrainJob):
         self.job = job
         self.dist = Distributed.from_environment()
-        requested = job.device if job.device != "auto" else job.train_section.get("device", "auto")
-        self.device = choose_device(self.dist, requested, int(job.preset.get("gpus", 0)))
+        requested = job.device if job.device != "auto" else job.train_section["device"]
+        self.device = choose_device(self.dist, requested, job.preset["gpus"])
         self.dist.init(self.device)
         self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
         self.world = self.dist.world_size
@@ -700,7 +701,7 @@ def train(job: TrainJob) -> dict:
 
 def check_layout(processes: int, preset: dict) -> None:
     """A step is split into a multiple of the preset's gpus micro-batches: more processes would idle."""
-    layout = max(1, int(preset.get("gpus", 0)))
+    layout = max(1, preset["gpus"])
     if processes > layout:
         raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: "
                         f"{layout}, so a step has too few micro-batches for every process; set the preset's "
@@ -808,16 +809,18 @@ def main(argv=None):
         train_section = json.loads(args.train_json)
     except json.JSONDecodeError as error:
         raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
+    train_section = check_section("train", train_section, "--train-json")
+    check_resolved_preset(preset, "--preset-json")
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
         lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
-    device = args.device if args.device != "auto" else train_section.get("device", "auto")
-    processes = processes_to_launch(args.processes, device, int(preset.get("gpus", 0)))
+    device = args.device if args.device != "auto" else train_section["device"]
+    processes = processes_to_launch(args.processes, device, preset["gpus"])
     if processes > 1:
         check_layout(processes, preset)
         return _relaunch_under_torchrun(processes, argv, args.run_dir)
-    threads = args.threads or train_section.get("threads", 0)
+    threads = args.threads or train_section["threads"]
     if threads:
         torch.set_num_threads(threads)
     job = TrainJob(preset, train_section, args.seed, args.train_data, args.dev_data, args.spm_model, args.run_dir,

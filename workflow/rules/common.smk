@@ -68,6 +68,12 @@ def for_run(template, wildcards):
     return template.format(**dict(wildcards.items()))
 
 
+def decode_model(wildcards):
+    """The paper's protocol: Table 3 (dev) without averaging, Table 2 (test) with it."""
+    made_by = rules.train.output.model if wildcards.split == "dev" else rules.average.output.model
+    return for_run(made_by, wildcards)
+
+
 def preset(wildcards):
     return PRESETS[wildcards.model]
 

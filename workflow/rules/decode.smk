@@ -1,9 +1,3 @@
-def decode_model(wildcards):
-    """The paper's protocol: Table 3 (dev) without averaging, Table 2 (test) with it."""
-    made_by = rules.train.output.model if wildcards.split == "dev" else rules.average.output.model
-    return for_run(made_by, wildcards)
-
-
 rule decode:
     input:
         model=decode_model,
