@@ -38,14 +38,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from aiayn.batching import length_sorted_batches  # noqa: E402
+from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from aiayn.decode import search_batches  # noqa: E402
+from aiayn.incremental import InferenceModel  # noqa: E402
 from aiayn.model import ModelConfig, Transformer  # noqa: E402
-from aiayn.search import BOS_ID, EOS_ID, PAD_ID, SearchConfig, length_sorted_batches, search_batches  # noqa: E402
+from aiayn.search import SearchConfig  # noqa: E402
 
 MISSING_TRANSFORMERS = 3
 
 
-class NeverEndingTransformer(Transformer):
-    """Ends only when the search forces EOS at its maximum length, so every output has the same length."""
+class NeverEnding(InferenceModel):
+    """A Transformer that ends only when the search forces EOS at its maximum length, so every output
+    has the same length."""
 
     def decode_step(self, tokens, position, cache):
         logits = super().decode_step(tokens, position, cache)
@@ -120,10 +125,10 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    ours = NeverEndingTransformer(ModelConfig(
+    ours = NeverEnding(Transformer(ModelConfig(
         vocab_size=args.vocab, n_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, n_heads=args.heads,
         dropout=0.0, max_positions=1024,
-    )).eval()
+    )).eval())
     torch.manual_seed(args.seed)
     peer = MarianMTModel(MarianConfig(
         vocab_size=args.vocab, decoder_vocab_size=args.vocab, max_position_embeddings=1024,
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
     trainable = lambda model: sum(p.numel() for p in model.parameters() if p.requires_grad)  # noqa: E731
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     print(f"model: {args.layers}+{args.layers} layers, d_model {args.d_model}, d_ff {args.d_ff}, {args.heads} heads, "
-          f"vocab {args.vocab}; trainable parameters aiayn {trainable(ours):,}, Marian {trainable(peer):,}")
+          f"vocab {args.vocab}; trainable parameters aiayn {trainable(ours.model):,}, Marian {trainable(peer):,}")
     print(f"work: {args.sentences} sentences of {args.min_src_len}-{args.max_src_len} source tokens + EOS, "
           f"{len(batches)} batches, beam {args.beam}, alpha {args.alpha}, {args.target_len} target tokens each "
           f"({target_tokens} in all), float32")

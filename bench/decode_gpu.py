@@ -30,10 +30,13 @@ import warnings
 
 import torch
 
-from decode_cpu import NeverEndingTransformer  # bench/ is this script's folder; torch-only at import
+from decode_cpu import NeverEnding  # bench/ is this script's folder; torch-only at import
 
-from aiayn.model import ModelConfig
-from aiayn.search import EOS_ID, PAD_ID, SearchConfig, beam_search, length_sorted_batches, resolve_tokens_per_batch
+from aiayn.batching import length_sorted_batches
+from aiayn.bpe import EOS_ID, PAD_ID
+from aiayn.decode import resolve_tokens_per_batch
+from aiayn.model import ModelConfig, Transformer
+from aiayn.search import SearchConfig, beam_search
 
 
 def source_lengths(args: argparse.Namespace) -> list[int]:
@@ -94,10 +97,10 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     args.tokens_per_batch = resolve_tokens_per_batch(args.tokens_per_batch or "auto", device)
     torch.manual_seed(args.seed)
-    model = NeverEndingTransformer(ModelConfig(
+    model = NeverEnding(Transformer(ModelConfig(
         vocab_size=args.vocab, n_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, n_heads=args.heads,
         dropout=0.0,
-    )).to(device).eval()
+    )).to(device).eval())
     lengths = source_lengths(args)
     generator = torch.Generator().manual_seed(args.seed + 1)
     sources = [torch.randint(4, args.vocab, (length - 1,), generator=generator).tolist() + [EOS_ID]

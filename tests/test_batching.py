@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
+from aiayn.batching import StepShape, collate, length_batches, length_sorted_batches, split_step, step_batches
 from aiayn.binarize import load_split
 from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
@@ -114,3 +114,12 @@ def test_a_step_too_small_to_share_is_refused():
     steps = step_batches(src, tgt, 20, seed=0)
     with pytest.raises(UserError, match="cannot be split into 8 micro-batches"):
         split_step(src, tgt, steps[0], 10, layout=8)
+
+
+def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
+    lengths = [5, 40, 12, 3, 40, 7, 25, 1000]
+    batches = length_sorted_batches(lengths, tokens_per_batch=200, beam_size=2)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) * 2 <= 200
+    assert batches[0] == [7]  # too long for the budget, it still gets a batch of its own

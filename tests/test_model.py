@@ -10,10 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.errors import UserError
-from aiayn.model import (
-    ModelConfig, PackedWeights, Transformer, _few_query_attention, _onednn_linear_available, key_padding_bias,
-    sinusoid_table, step_linear,
-)
+from aiayn.model import ModelConfig, Transformer, sinusoid_table
 from aiayn.params import count_parameters, main as params_main
 
 PAD = 0
@@ -230,211 +227,6 @@ def test_params_cli_reports_a_bad_preset_with_exit_status_2(capsys):
     assert error.startswith("error: presets[0] (big): n_heads = 12 does not divide d_model = 1024")
 
 
-# Incremental decoding for beam search.
-
-
-# float32 takes the CPU's fast paths (oneDNN-packed weights, explicit few-query attention).
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_decode_step_reproduces_full_decode_logits_at_every_position(dtype, tolerance):
-    model = tiny_model(d_head=6, d_value=10).to(dtype)
-    src = tokens(3, 7, seed=1)
-    src[0, 5:] = PAD
-    tgt = tokens(3, 6, seed=2)
-    with torch.no_grad():
-        full = model(src, tgt)
-        cache = model.init_cache(*model.encode(src), max_len=10)
-        for position in range(6):
-            step = model.decode_step(tgt[:, position], position, cache)
-            torch.testing.assert_close(step, full[:, position], rtol=0, atol=tolerance)
-
-
-@pytest.mark.parametrize("rows", [1, 7, 300])
-@pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_step_linear_computes_the_linear_map_for_any_number_of_rows(rows, relu, with_bias):
-    torch.manual_seed(rows)
-    weight, bias = torch.randn(48, 32), torch.randn(48) if with_bias else None
-    project = step_linear(weight, bias, relu=relu)  # packed for 256 rows, used with others
-    x = torch.randn(rows, 1, 32)
-    expected = F.linear(x, weight, bias)
-    with torch.inference_mode():
-        result = project(x)
-    torch.testing.assert_close(result, expected.relu() if relu else expected, rtol=1e-5, atol=1e-5)
-
-
-def test_encoder_without_gradients_uses_packed_weights_and_gives_the_same_memory():
-    model = tiny_model().float()  # packing is for float32
-    src = tokens(3, 7, seed=1)
-    src[1, 4:] = PAD
-    expected, _ = model.encode(src)  # gradients on: the modules' own linear maps
-    assert not model.packed_weights._packed
-    with torch.inference_mode():
-        memory, src_pad = model.encode(src)
-    if _onednn_linear_available():
-        assert "encoder.0.qkv" in model.packed_weights._packed
-    torch.testing.assert_close(memory, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(src_pad, src.eq(PAD))
-
-
-def test_encoder_in_training_mode_keeps_its_dropout_without_gradients():
-    model = tiny_model(dropout=0.5).float().train()
-    src = tokens(2, 6, seed=2)
-    with torch.no_grad():
-        first, _ = model.encode(src)
-        second, _ = model.encode(src)
-    assert not model.packed_weights._packed  # the modules' path, dropout and all
-    assert not torch.allclose(first, second)
-
-
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_step_linear_adds_a_residual_with_the_bits_of_a_separate_sum(rows):
-    torch.manual_seed(rows)
-    weight, bias = torch.randn(32, 24), torch.randn(32)
-    x, residual = torch.randn(rows, 1, 24), torch.randn(rows, 1, 32)
-    for dtype in (torch.float32, torch.float64):  # oneDNN's fused sum, and F.linear's plain one
-        linear = step_linear(weight.to(dtype), bias.to(dtype))
-        with torch.inference_mode():
-            fused, alone = linear(x.to(dtype), residual.to(dtype)), linear(x.to(dtype))
-        assert torch.equal(fused, alone + residual.to(dtype))
-        torch.testing.assert_close(alone, F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype)), rtol=1e-5, atol=1e-5)
-
-
-def test_packed_weights_are_reused_until_a_weight_changes_in_place():
-    layer = torch.nn.Linear(32, 48)
-    packed = PackedWeights()
-    x = torch.randn(5, 1, 32)
-    with torch.inference_mode():
-        first = packed.linear("layer", [layer])(x)
-    stored = dict(packed._packed)
-    with torch.inference_mode():
-        packed.linear("layer", [layer])
-    assert all(packed._packed[name][1] is stored[name][1] for name in stored)  # not repacked
-    with torch.no_grad():
-        layer.weight.mul_(2.0)  # an in-place update, as an optimizer step or load_state_dict makes
-    with torch.inference_mode():
-        second = packed.linear("layer", [layer])(x)
-    torch.testing.assert_close(first, F.linear(x, layer.weight / 2.0, layer.bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(second, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("queries", [1, 4])
-@pytest.mark.parametrize("keys", [9, 60])  # 1 query over 9 keys of size 8 takes the products-and-sums path
-def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries, keys):
-    generator = torch.Generator().manual_seed(queries)
-    q, k, v = (torch.randn(3, 2, length, 8, generator=generator) for length in (queries, keys, keys))
-    src_pad = torch.zeros(3, keys, dtype=torch.bool)
-    src_pad[0, 5:] = True
-    src_pad[2, 1:] = True  # one key left
-    mask = ~src_pad[:, None, None, :]
-    for key_mask in (None, mask):
-        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        torch.testing.assert_close(_few_query_attention(q, k, v, key_mask), expected, rtol=1e-5, atol=1e-6)
-    # The mask as an additive bias, with keys contiguous or stored transposed (as init_cache does on the CPU).
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    for keys in (k, k.transpose(-1, -2).contiguous().transpose(-1, -2)):
-        result = _few_query_attention(q, keys, v, key_padding_bias(src_pad, torch.float32))
-        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_decode_step_after_reorder_cache_matches_the_reordered_batch():
-    model = tiny_model()
-    src = tokens(3, 7, seed=1)
-    src[1, 4:] = PAD
-    tgt = tokens(3, 6, seed=2)
-    index = torch.tensor([2, 0, 1])
-    with torch.no_grad():
-        cache = model.init_cache(*model.encode(src), max_len=6)
-        for position in range(3):
-            model.decode_step(tgt[:, position], position, cache)
-        cache = model.reorder_cache(cache, index)
-        reordered = model(src[index], tgt[index])
-        for position in range(3, 6):
-            step = model.decode_step(tgt[index, position], position, cache)
-            torch.testing.assert_close(step, reordered[:, position], rtol=0, atol=1e-10)
-
-
-def test_reorder_cache_can_grow_the_batch_for_beams():
-    model = tiny_model()
-    src, tgt = tokens(2, 5, seed=1), tokens(2, 4, seed=2)
-    beams = torch.tensor([0, 0, 1, 1])
-    with torch.no_grad():
-        cache = model.reorder_cache(model.init_cache(*model.encode(src), max_len=4), beams)
-        full = model(src[beams], tgt[beams])
-        for position in range(4):
-            step = model.decode_step(tgt[beams, position], position, cache)
-            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
-
-
-
-def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batch():
-    model = tiny_model(d_head=6, d_value=10)
-    src = tokens(2, 5, seed=1)
-    src[1, 3:] = PAD
-    tgt = tokens(4, 6, seed=2)
-    rows = torch.tensor([0, 0, 1, 1])  # two beams per source
-    with torch.no_grad():
-        cache = model.init_cache(*model.encode(src), max_len=6, group=2)
-        assert cache.memory_keys.shape[1] == 2 and cache.rows == 4
-        for position in range(3):
-            model.decode_step(tgt[:, position], position, cache)
-        # Beams move within their sentence: row 0 takes row 1's history, rows 2 and 3 swap.
-        index = torch.tensor([1, 1, 3, 2])
-        cache = model.reorder_cache(cache, index, filled=3)
-        full = model(src[rows], tgt[index])
-        for position in range(3, 5):
-            step = model.decode_step(tgt[index, position], position, cache)
-            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
-        # The first sentence leaves: its memory goes with it, the second keeps its two beams.
-        buffer = cache.key_buffer.data_ptr()
-        cache = model.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]), filled=5)
-        assert cache.memory_keys.shape[1] == 1 and cache.rows == 2
-        assert cache.key_buffer.data_ptr() == buffer  # shrunk in place
-        full = model(src[[1, 1]], tgt[index][[2, 3]])
-        step = model.decode_step(tgt[index][[2, 3], 5], 5, cache)
-        torch.testing.assert_close(step, full[:, 5], rtol=0, atol=1e-10)
-
-
-def test_reorder_cache_regroups_one_row_per_source_into_beams():
-    model = tiny_model(d_head=6, d_value=10)
-    src = tokens(2, 5, seed=1)
-    src[1, 3:] = PAD
-    tgt = tokens(4, 6, seed=2)
-    tgt[1, 0], tgt[3, 0] = tgt[0, 0], tgt[2, 0]  # beams of a source share their first token
-    with torch.no_grad():
-        cache = model.init_cache(*model.encode(src), max_len=6, capacity=4)  # one row per source
-        buffer = cache.key_buffer.data_ptr()
-        model.decode_step(tgt[[0, 2], 0], 0, cache)
-        cache = model.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), filled=1, group=2)
-        assert cache.group == 2 and cache.rows == 4 and cache.memory_keys.shape[1] == 2
-        assert cache.key_buffer.data_ptr() == buffer  # grown within its capacity, in place
-        full = model(src[[0, 0, 1, 1]], tgt)
-        for position in range(1, 6):
-            step = model.decode_step(tgt[:, position], position, cache)
-            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
-        with pytest.raises(ValueError, match="3 rows for 2 sources of 2 rows each"):
-            model.reorder_cache(model.init_cache(*model.encode(src), max_len=6), torch.tensor([0, 0, 1]), group=2)
-
-
-@pytest.mark.parametrize("copy_from, starts", [(None, [4, 0, 0]), ([4, 2, 0], [4, 2, 0])])
-def test_reorder_cache_copies_moved_rows_from_copy_from_up_to_filled(copy_from, starts):
-    # By default a row that stays copies nothing and a row that moves copies all of its filled positions.
-    model = tiny_model()
-    index, filled = torch.tensor([0, 0, 1]), 4
-    with torch.no_grad():
-        cache = model.init_cache(*model.encode(tokens(1, 4, seed=1)), max_len=6, group=3)
-        for buffer in (cache.self_keys, cache.self_values):  # every value its own number, to trace moves
-            buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype).view_as(buffer))
-        before = (cache.self_keys.clone(), cache.self_values.clone())
-        starts_given = None if copy_from is None else torch.tensor(copy_from)
-        model.reorder_cache(cache, index, filled=filled, copy_from=starts_given)
-    for after, old in zip((cache.self_keys, cache.self_values), before):
-        for row, (origin, start) in enumerate(zip(index.tolist(), starts)):
-            assert torch.equal(after[:, row, :, :start], old[:, row, :, :start])  # below copy_from: as it was
-            # Row 2 reads row 1's old values although row 1 is rewritten.
-            assert torch.equal(after[:, row, :, start:filled], old[:, origin, :, start:filled])
-            assert torch.equal(after[:, row, :, filled:], old[:, row, :, filled:])  # unwritten positions untouched
-
-
 # Learning.
 
 
@@ -527,18 +319,6 @@ def test_with_sinusoids_the_encoder_is_not_permutation_equivariant():
     assert not torch.allclose(permuted, memory[:, permutation], atol=1e-3)
 
 
-@pytest.mark.parametrize("positional", ["learned", "none"])
-def test_learned_and_none_positions_build_run_and_decode_incrementally(positional):
-    model = tiny_model(positional=positional)
-    src, tgt = tokens(2, 5, seed=1), tokens(2, 4, seed=2)
-    with torch.no_grad():
-        logits = model(src, tgt)
-        cache = model.init_cache(*model.encode(src), max_len=4)
-        last = [model.decode_step(tgt[:, position], position, cache) for position in range(4)][-1]
-    assert logits.shape == (2, 4, VOCAB)
-    torch.testing.assert_close(last, logits[:, -1], rtol=0, atol=1e-10)
-
-
 def test_learned_positions_past_the_table_raise_user_error():
     model = tiny_model(positional="learned", max_positions=6)
     with pytest.raises(UserError, match="max_positions = 6"):
@@ -548,7 +328,7 @@ def test_learned_positions_past_the_table_raise_user_error():
 # Mixed precision.
 
 
-def test_bf16_autocast_on_cpu_gives_finite_logits_forward_and_incremental():
+def test_bf16_autocast_on_cpu_gives_finite_logits_and_gradients():
     torch.manual_seed(0)
     model = Transformer(tiny_config(dropout=0.1))
     src, tgt = tokens(2, 6, seed=1), tokens(2, 5, seed=2)
@@ -556,10 +336,6 @@ def test_bf16_autocast_on_cpu_gives_finite_logits_forward_and_incremental():
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         logits = model(src, tgt)
         logits.float().sum().backward()
-        model.eval()
-        with torch.no_grad():
-            cache = model.init_cache(*model.encode(src), max_len=5)
-            step = model.decode_step(tgt[:, 0], 0, cache)
     assert logits.dtype == torch.bfloat16
-    assert torch.isfinite(logits).all() and torch.isfinite(step).all()
+    assert torch.isfinite(logits).all()
     assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters())

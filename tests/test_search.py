@@ -1,10 +1,8 @@
-"""Tests for aiayn.search and aiayn.translate: the cached, batched beam search and its CLIs."""
+"""Tests for aiayn.search: the cached, batched beam search, against a slow reference and by its rules."""
 
 from __future__ import annotations
 
-import io
 import math
-import sys
 
 import pytest
 import torch
@@ -12,42 +10,32 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aiayn.bpe import learn_bpe, load_processor
-from aiayn.config import load_config, resolve_preset, to_json
-from aiayn.model import ModelConfig, ScratchBuffers, Transformer
+from aiayn import search
+from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
+from aiayn.errors import UserError
+from aiayn.incremental import InferenceModel
+from aiayn.model import ModelConfig, Transformer
 from aiayn.search import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
     SearchConfig,
     beam_search,
     first_differing_positions,
     greedy_search,
     length_penalty,
-    length_sorted_batches,
-    load_model,
-    main,
     max_output_lengths,
-    resolve_tokens_per_batch,
-    search_batches,
     stable_slots,
     surviving_order,
     top_k,
-    translate_n_best,
-    translate_sentences,
 )
-from aiayn.errors import UserError
-from aiayn import search, translate
-from conftest import REPO
 
 VOCAB = 24
 
 
-def tiny_model(seed: int = 0, cls: type[Transformer] = Transformer, **changes) -> Transformer:
+def tiny_model(seed: int = 0, cls: type[InferenceModel] = InferenceModel, **changes) -> InferenceModel:
+    """A small random Transformer in eval mode, ready for the search (as `cls`, which may change its steps)."""
     torch.manual_seed(seed)
     fields = dict(vocab_size=VOCAB, n_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
     fields.update(changes)
-    return cls(ModelConfig(**fields)).eval()
+    return cls(Transformer(ModelConfig(**fields)).eval())
 
 
 def sources(lengths: list[int], seed: int = 0) -> torch.Tensor:
@@ -61,10 +49,11 @@ def sources(lengths: list[int], seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def half_trained() -> Transformer:
+def half_trained() -> InferenceModel:
     """60 Adam steps on reversing the source: outputs of varied length that end with EOS on their own,
     with beams that finish at different steps (a random model mostly runs to the maximum length)."""
-    model = tiny_model(seed=0).train()
+    inference = tiny_model(seed=0)
+    model = inference.model.train()
     generator = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for step in range(60):
@@ -79,16 +68,16 @@ def half_trained() -> Transformer:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return model.eval()
+    model.eval()
+    return inference
 
 
-def with_weights(cls: type[Transformer], model: Transformer) -> Transformer:
-    copy = cls(model.config).eval()
-    copy.load_state_dict(model.state_dict())
-    return copy
+def with_weights(cls: type[InferenceModel], inference: InferenceModel) -> InferenceModel:
+    """The same Transformer behind another inference class."""
+    return cls(inference.model)
 
 
-class NoEosTransformer(Transformer):
+class NoEosTransformer(InferenceModel):
     """A real Transformer whose EOS logit is pushed far below every other, so it never ends by itself."""
 
     def decode_step(self, tokens, position, cache):
@@ -97,7 +86,7 @@ class NoEosTransformer(Transformer):
         return logits
 
 
-class CountingTransformer(Transformer):
+class CountingTransformer(InferenceModel):
     """Counts decoder steps, to see whether early termination saved any."""
 
     steps = 0
@@ -113,7 +102,7 @@ class BigramCache:
 
 
 class BigramModel(nn.Module):
-    """A hand-written next-token table behind the Transformer's inference API: p(next | previous token)."""
+    """A hand-written next-token table behind the search's model interface: p(next | previous token)."""
 
     def __init__(self, probabilities: dict[int, dict[int, float]], vocab: int = 12):
         super().__init__()
@@ -160,7 +149,7 @@ LONGER_WINS = {
 }
 
 
-def reference_beam_search(model, src_row: list[int], config: SearchConfig) -> list[tuple[list[int], float]]:
+def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -> list[tuple[list[int], float]]:
     """The slow, obvious search: every hypothesis re-runs model.forward on its whole prefix, one at a time.
 
     Same scheme as beam_search without early termination: the top 2 * beam candidates, EOS among the
@@ -175,7 +164,7 @@ def reference_beam_search(model, src_row: list[int], config: SearchConfig) -> li
         candidates = []
         for tokens, log_prob in live:
             with torch.no_grad():
-                logits = model(src, torch.tensor([[BOS_ID] + tokens]))[0, -1]
+                logits = inference.model(src, torch.tensor([[BOS_ID] + tokens]))[0, -1]
             log_probs = F.log_softmax(logits.double(), dim=-1)
             log_probs[PAD_ID] = log_probs[BOS_ID] = -math.inf
             if step == max_len:
@@ -190,7 +179,6 @@ def reference_beam_search(model, src_row: list[int], config: SearchConfig) -> li
         if len(finished) >= beam:
             break
     return [(tokens, score) for score, tokens in finished]
-
 
 
 @pytest.mark.parametrize("parents, slots", [
@@ -231,7 +219,7 @@ def test_first_differing_positions_follow_the_shared_tokens_of_a_sentence():
     assert first_differing_positions(tokens, tokens[keep_rows[2:]], 3, 2, torch.tensor([1])).tolist() == [0, 0]
 
 
-class FullCopyTransformer(Transformer):
+class FullCopyTransformer(InferenceModel):
     """Copies the whole written history of every row that moves, as reorder_cache did before copy_from."""
 
     def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None, copied=None):
@@ -340,50 +328,6 @@ def test_a_sentence_decodes_the_same_alone_and_in_a_batch_with_longer_ones(train
         alone = beam_search(model, batch[row : row + 1, :length], config)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in together[row]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in together[row]], abs=1e-4)
-
-
-def test_two_workers_return_what_one_worker_returns_batch_by_batch(half_trained):
-    model = half_trained
-    config = SearchConfig(beam_size=3, n_best=2, max_len_b=8)
-    batches = [sources(lengths, seed=seed) for seed, lengths in enumerate([[5, 9], [12, 3, 7], [4], [8, 8, 2, 6]])]
-    threads = torch.get_num_threads()
-    finished = []
-    one = search_batches(model, batches, config, workers=1)
-    two = search_batches(model, batches, config, workers=2, on_done=finished.append)
-    assert torch.get_num_threads() == threads  # restored after the workers' own setting
-    assert sorted(finished) == sorted(batch.shape[0] for batch in batches)
-    assert [[[h.tokens for h in sentence] for sentence in batch] for batch in two] == \
-        [[[h.tokens for h in sentence] for sentence in batch] for batch in one]
-    assert [h.score for batch in two for sentence in batch for h in sentence] == \
-        pytest.approx([h.score for batch in one for sentence in batch for h in sentence], abs=1e-4)
-    assert search_batches(model, [], config, workers=2) == []
-
-
-def test_batches_searched_in_one_scratch_memory_equal_each_searched_alone(half_trained):
-    # Large, small, large: the third batch's cache reuses memory the first two wrote, never read back.
-    batches = [sources(lengths, seed=seed) for seed, lengths in enumerate([[9, 7, 8, 9], [3], [6, 9, 2, 5, 9]])]
-    config = SearchConfig(beam_size=3, n_best=3, max_len_b=6)
-    alone = [beam_search(half_trained, batch, config) for batch in batches]
-    shared = search_batches(half_trained, batches, config)
-    assert [[[(h.tokens, h.score) for h in sentence] for sentence in batch] for batch in shared] == \
-        [[[(h.tokens, h.score) for h in sentence] for sentence in batch] for batch in alone]
-
-
-def test_scratch_buffers_reuse_their_memory_until_a_tensor_does_not_fit():
-    scratch, like = ScratchBuffers(), torch.zeros(1)
-    first = scratch.take("keys", (2, 3, 4), like)
-    assert first.shape == (2, 3, 4) and first.is_contiguous()
-    assert scratch.take("keys", (5, 4), like).data_ptr() == first.data_ptr()  # fits: the same memory
-    assert scratch.take("values", (2, 3), like).data_ptr() != first.data_ptr()  # another name, other memory
-    grown = scratch.take("keys", (7, 4), like)
-    assert grown.shape == (7, 4) and grown.data_ptr() != first.data_ptr()
-    assert scratch.take("keys", (2, 2), like.double()).dtype == torch.float64
-
-
-@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
-def test_search_batches_rejects_a_bad_worker_count(workers):
-    with pytest.raises(UserError, match="workers"):
-        search_batches(tiny_model(), [sources([3])], SearchConfig(), workers=workers)
 
 
 def test_output_never_exceeds_a_times_source_length_plus_b():
@@ -509,7 +453,7 @@ def test_host_reads_counts_each_kind_of_read_once(read):
     assert reads.count == 1
 
 
-class StepMarking(Transformer):
+class StepMarking(InferenceModel):
     """Notes the host reads counted so far, and the decoder rows, at each decoder step."""
 
     reads: HostReads | None = None
@@ -553,47 +497,6 @@ def test_the_accelerator_path_finds_the_cpu_paths_hypotheses(kind, half_trained,
     assert [beam_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit
 
 
-def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
-    lengths = [5, 40, 12, 3, 40, 7, 25, 1000]
-    batches = length_sorted_batches(lengths, tokens_per_batch=200, beam_size=2)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
-    for batch in batches:
-        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) * 2 <= 200
-    assert batches[0] == [7]  # too long for the budget, it still gets a batch of its own
-
-
-@pytest.mark.parametrize("value, device, expected", [
-    ("auto", "cpu", 8000), ("auto", "cuda", 50000), ("auto", torch.device("cuda", 1), 50000), ("auto", "meta", 8000),
-    (3000, "cuda", 3000), (3000, "cpu", 3000),
-])
-def test_auto_tokens_per_batch_is_gpu_sized_on_cuda_and_the_cpus_elsewhere(value, device, expected):
-    assert resolve_tokens_per_batch(value, device) == expected
-
-
-@pytest.mark.parametrize("value", [0, -5, "many", True, 2.5])
-def test_a_tokens_per_batch_that_is_not_a_whole_number_or_auto_is_a_user_error(value):
-    with pytest.raises(UserError, match="tokens_per_batch"):
-        resolve_tokens_per_batch(value, "cpu")
-
-
-@pytest.mark.parametrize("paper_config", ["wmt14_en_de.yaml", "wmt14_en_fr.yaml"])
-def test_the_paper_configs_decode_auto_sized_batches(paper_config):
-    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / paper_config])
-    assert config["decode"]["tokens_per_batch"] == "auto"
-
-
-def test_auto_batches_keep_the_big_models_decoding_memory_within_an_80_gb_gpu():
-    """config/README.md's arithmetic: the worst batch is of two-token sources, outputs up to source + 50."""
-    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / "wmt14_en_de.yaml"])
-    big = resolve_preset(config, "big")
-    source_len, positions = 2, 2 + config["decode"]["max_len_b"] + 1
-    rows = resolve_tokens_per_batch("auto", "cuda") // source_len
-    per_row_and_position = 2 * big["n_layers"] * big["d_model"] * 2  # keys and values, bf16
-    cache = rows * positions * per_row_and_position
-    log_probs = rows * config["bpe"]["vocab_size"] * (2 + 4 + 4)
-    assert cache * 1.5 + log_probs < 0.75 * 80e9
-
-
 def test_search_config_from_dict_rejects_unknown_keys_and_bad_values():
     assert SearchConfig.from_dict({"beam_size": 5, "length_penalty": 1}) == SearchConfig(beam_size=5, length_penalty=1)
     with pytest.raises(UserError, match="unknown decode setting"):
@@ -602,184 +505,6 @@ def test_search_config_from_dict_rejects_unknown_keys_and_bad_values():
         SearchConfig(beam_size=0)
     with pytest.raises(UserError, match="n_best"):
         SearchConfig(beam_size=2, n_best=3)
-
-
-# --- text in, text out: a real SentencePiece model trained here, an untrained Transformer -------------
-
-WORDS = "the a house cat dog is small big red green runs sleeps on under table garden we they see".split()
-
-
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("spm")
-    generator = torch.Generator().manual_seed(0)
-    lines = []
-    for _ in range(200):
-        count = int(torch.randint(3, 10, (1,), generator=generator))
-        lines.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (count,), generator=generator)))
-    (directory / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    learn_bpe([directory / "train.txt"], directory, vocab_size=60, threads=1)
-    return directory / "spm.model"
-
-
-@pytest.fixture(scope="module")
-def text_model(spm_model):
-    pieces = load_processor(spm_model).get_piece_size()
-    return tiny_model(seed=19, vocab_size=pieces)
-
-
-SENTENCES = ["the cat sleeps", "", "a big red dog runs under the green table in the garden", "we see", "   ",
-             "they see a small house"]
-
-
-def test_translate_sentences_returns_one_string_per_line_in_input_order(spm_model, text_model):
-    processor = load_processor(spm_model)
-    config = SearchConfig(beam_size=2, max_len_b=5)
-    outputs = translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch=30, progress=False)
-    assert len(outputs) == len(SENTENCES)
-    assert outputs[1] == "" and outputs[4] == ""
-    one_by_one = [translate_sentences(text_model, processor, [s], config, progress=False)[0] for s in SENTENCES]
-    assert outputs == one_by_one
-    reversed_outputs = translate_sentences(text_model, processor, SENTENCES[::-1], config, progress=False)
-    assert reversed_outputs == outputs[::-1]
-
-
-def test_translate_sentences_decodes_the_best_hypothesis_tokens(spm_model, text_model):
-    processor = load_processor(spm_model)
-    config = SearchConfig(beam_size=3, max_len_b=6)
-    src = torch.tensor([processor.encode(SENTENCES[0]) + [EOS_ID]])
-    expected = processor.decode(beam_search(text_model, src, config)[0][0].tokens)
-    assert translate_sentences(text_model, processor, SENTENCES[:1], config, progress=False) == [expected]
-
-
-def test_auto_tokens_per_batch_decodes_on_the_cpu_what_8000_decodes(spm_model, text_model):
-    processor = load_processor(str(spm_model))
-    config = SearchConfig(beam_size=2, max_len_b=4)
-    auto = translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch="auto", progress=False)
-    assert auto == translate_sentences(text_model, processor, SENTENCES, config, tokens_per_batch=8000, progress=False)
-
-
-def test_translate_n_best_gives_n_scored_translations_per_sentence(spm_model, text_model):
-    processor = load_processor(spm_model)
-    results = translate_n_best(text_model, processor, SENTENCES, SearchConfig(beam_size=3, n_best=3, max_len_b=5),
-                               progress=False)
-    assert len(results) == len(SENTENCES)
-    assert results[1] == [(0.0, "")]
-    for index in (0, 2, 3, 5):
-        assert len(results[index]) == 3
-        assert all(isinstance(score, float) and isinstance(text, str) for score, text in results[index])
-
-
-def save_model_file(path, model: Transformer) -> None:
-    torch.save(
-        {"format": "aiayn-model-v1", "model_config": model.config.to_dict(), "model": model.state_dict(),
-         "vocab_fingerprint": "v", "data_fingerprint": "d", "averaged_steps": [1], "averaged_from": ["x"]},
-        path,
-    )
-
-
-def test_load_model_restores_the_weights_in_eval_mode(tmp_path, text_model):
-    save_model_file(tmp_path / "model.pt", text_model)
-    loaded = load_model(tmp_path / "model.pt")
-    assert not loaded.training
-    for key, value in text_model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[key], value)
-
-
-DECODE_JSON = to_json({"beam_size": 2, "length_penalty": 0.6, "max_len_a": 1.0, "max_len_b": 4,
-                       "tokens_per_batch": 40})
-
-
-def test_decode_cli_writes_one_line_per_input_line(tmp_path, spm_model, text_model, capsys):
-    save_model_file(tmp_path / "model.pt", text_model)
-    (tmp_path / "src.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "model.pt"), "--spm-model",
-                   str(spm_model), "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "out" / "hyp.txt"),
-                   "--threads", "1", "--device", "cpu"])
-    assert status == 0
-    written = (tmp_path / "out" / "hyp.txt").read_text(encoding="utf-8").split("\n")
-    processor = load_processor(spm_model)
-    expected = translate_sentences(text_model, processor, SENTENCES,
-                                   SearchConfig(beam_size=2, max_len_b=4), progress=False)
-    assert written == expected + [""]
-    assert "sentences/s" in capsys.readouterr().out
-
-
-def test_decode_cli_with_two_workers_writes_what_one_worker_writes(tmp_path, spm_model, text_model):
-    save_model_file(tmp_path / "model.pt", text_model)
-    (tmp_path / "src.txt").write_text("\n".join(SENTENCES * 3) + "\n", encoding="utf-8")
-    written = []
-    for workers in (1, 2):
-        section = to_json({"beam_size": 2, "max_len_b": 4, "tokens_per_batch": 30, "workers": workers})
-        output = tmp_path / f"hyp{workers}.txt"
-        assert main(["--decode-json", section, "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
-                     "--input", str(tmp_path / "src.txt"), "--output", str(output), "--threads", "2",
-                     "--device", "cpu"]) == 0
-        written.append(output.read_text(encoding="utf-8"))
-    assert written[0] == written[1]
-    assert len(written[0].split("\n")) == 3 * len(SENTENCES) + 1
-
-
-def test_decode_cli_reports_a_missing_model_file_with_exit_status_2(tmp_path, spm_model, capsys):
-    (tmp_path / "src.txt").write_text("the cat\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "nope.pt"), "--spm-model", str(spm_model),
-                   "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "hyp.txt"), "--device", "cpu"])
-    assert status == 2
-    error = capsys.readouterr().err
-    assert error.startswith("error: ") and "nope.pt" in error and "Traceback" not in error
-    assert not (tmp_path / "hyp.txt").exists()
-
-
-def test_decode_cli_refuses_a_vocabulary_of_another_size(tmp_path, spm_model, capsys):
-    save_model_file(tmp_path / "model.pt", tiny_model(seed=20, vocab_size=30))
-    (tmp_path / "src.txt").write_text("the cat\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
-                   "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "hyp.txt"), "--device", "cpu"])
-    assert status == 2
-    assert "vocab_size = 30" in capsys.readouterr().err
-
-
-def run_translate(monkeypatch, capsys, text: str, argv: list[str]) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode("utf-8")), encoding="utf-8"))
-    status = translate.main(argv)
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_translate_cli_writes_one_translation_per_stdin_line(
-    workers, tmp_path, spm_model, text_model, monkeypatch, capsys
-):
-    save_model_file(tmp_path / "model.pt", text_model)
-    argv = ["--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model), "--beam", "2",
-            "--max-len-b", "4", "--device", "cpu", "--workers", workers, "--tokens-per-batch", "30"]
-    status, out, _ = run_translate(monkeypatch, capsys, "\n".join(SENTENCES) + "\n", argv)
-    assert status == 0
-    expected = translate_sentences(text_model, load_processor(spm_model), SENTENCES,
-                                   SearchConfig(beam_size=2, max_len_b=4), progress=False)
-    assert out.split("\n") == expected + [""]
-
-
-def test_translate_cli_n_best_prints_scored_blocks(tmp_path, spm_model, text_model, monkeypatch, capsys):
-    save_model_file(tmp_path / "model.pt", text_model)
-    argv = ["--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model), "--beam", "3", "--n-best", "2",
-            "--max-len-b", "4", "--device", "cpu"]
-    status, out, _ = run_translate(monkeypatch, capsys, "the cat\nwe see\n", argv)
-    assert status == 0
-    blocks = out.split("\n\n")
-    assert len(blocks) == 3 and blocks[-1] == ""
-    for block in blocks[:2]:
-        lines = block.split("\n")
-        assert len(lines) == 2
-        scores = [float(line.split("\t")[0]) for line in lines]
-        assert scores == sorted(scores, reverse=True)
-
-
-def test_translate_cli_reports_n_best_above_beam_with_exit_status_2(tmp_path, spm_model, monkeypatch, capsys):
-    argv = ["--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model), "--beam", "2", "--n-best", "3"]
-    status, _, err = run_translate(monkeypatch, capsys, "the cat\n", argv)
-    assert status == 2
-    assert "n_best = 3 is more than beam_size = 2" in err
 
 
 @pytest.mark.parametrize("n", [32 * 40, 32 * 40 + 7, 50])  # whole blocks, a tail past the last block, too few blocks

@@ -14,11 +14,10 @@ import pytest
 from conftest import tiny_preset
 import torch
 
-from aiayn.checkpoint import list_checkpoints, load_checkpoint, window_steps
+from aiayn.checkpoint import choose_device, list_checkpoints, load_checkpoint, window_steps
 from aiayn.config import section_defaults
 from aiayn.errors import UserError
-from aiayn.train import (Distributed, TrainingDiverged, TrainJob, choose_device, label_smoothed_loss, learning_rate,
-                         train)
+from aiayn.train import TrainingDiverged, TrainJob, label_smoothed_loss, learning_rate, train
 
 # the schema's defaults, with a small batch and frequent logging
 TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
@@ -72,8 +71,15 @@ def test_the_paper_presets_average_their_window_at_the_papers_steps():
 
 def test_gpus_0_trains_on_the_cpu_even_where_cuda_is_visible(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert choose_device(Distributed(), "auto", gpus=0).type == "cpu"
-    assert choose_device(Distributed(), "cpu", gpus=8).type == "cpu"
+    assert choose_device("auto", gpus=0).type == "cpu"
+    assert choose_device("cpu", gpus=8).type == "cpu"
+
+
+def test_cuda_without_a_gpu_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_device("auto").type == "cpu"
+    with pytest.raises(UserError, match="sees no CUDA device"):
+        choose_device("cuda")
 
 
 def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(prepared, tmp_path):

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from aiayn.bpe import EOS_ID, UNK_ID
+from aiayn.checkpoint import load_model
 from aiayn.errors import UserError
 
 LONG_DISTANCE = ("It is in this spirit that a majority of American governments have passed new laws since 2009 "
@@ -29,9 +31,6 @@ ANAPHORA = ("The Law will never be perfect, but its application should be just -
             "in my opinion.")
 PAPER_LAYER = 5  # "layer 5 of 6", counted from 1 as the paper does
 ANAPHORA_HEADS = 2  # the appendix shows two heads resolving "its"
-
-# The vocabulary's fixed ids (aiayn.bpe), repeated so that this module needs no sentencepiece import.
-UNK_ID, EOS_ID = 1, 3
 WORD_START = "\u2581"  # SentencePiece's mark of a piece that begins a word
 
 
@@ -123,21 +122,6 @@ def encode_sentence(processor, sentence: str) -> EncodedSentence:
 
 # --- the appendix pictures -------------------------------------------------------------------
 
-def load_model(model_path: str | Path, spm_model: str | Path):
-    """A trained Transformer (eval mode, CPU) from a checkpoint or model file, checked against the vocabulary."""
-    from aiayn.bpe import vocab_fingerprint
-    from aiayn.checkpoint import load_checkpoint
-    from aiayn.model import ModelConfig, Transformer
-
-    checkpoint = load_checkpoint(model_path)
-    if checkpoint["vocab_fingerprint"] != vocab_fingerprint(spm_model):
-        raise UserError(f"{model_path} was trained with another vocabulary than {spm_model}; "
-                        "pass the spm.model of the same experiment")
-    model = Transformer(ModelConfig.from_dict(checkpoint["model_config"]))
-    model.load_state_dict(checkpoint["model"])
-    return model.eval()
-
-
 def anaphora_heads(weights: Tensor, sentence: EncodedSentence,
                    count: int = ANAPHORA_HEADS) -> list[tuple[int, float, float]]:
     """The ``count`` heads whose attention from "its" puts the most weight on "Law" and "application".
@@ -158,7 +142,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     from aiayn import plots
     from aiayn.bpe import load_processor
 
-    model = load_model(model_path, spm_model)
+    model = load_model(model_path, "cpu", spm_model)
     processor = load_processor(spm_model)
     layer, layer_text = paper_layer(model.config.n_layers)
     out_dir = Path(out_dir)

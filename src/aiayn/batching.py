@@ -3,13 +3,15 @@
 Sentences are sorted by length with a seeded random tie-break, cut into batches whose
 *padded* size stays under a token budget on both sides, and the batches are shuffled.
 Every process computes the same list from (seed, epoch), so resuming and multi-GPU
-sharding need nothing but a cursor into it.
+sharding need nothing but a cursor into it. Decoding batches by length too, longest first
+(``length_sorted_batches``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -207,3 +209,24 @@ class StepShape:
                    real_tgt=int(sum(int(tgt_lengths[rows].sum()) + len(rows) for rows in micro)),
                    padded_src=sum(r * s for r, s, _ in shapes), padded_tgt=sum(r * t for r, _, t in shapes),
                    shapes=shapes)
+
+
+def length_sorted_batches(lengths: Sequence[int], tokens_per_batch: int, beam_size: int) -> list[list[int]]:
+    """Indices for decoding grouped into batches of similar length, longest first, each within the token budget.
+
+    The budget counts padded source tokens times beam_size (each source row becomes beam_size
+    decoder rows); a sentence longer than the budget alone still gets a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        # Sorted longest first, so the batch's padded length is that of its first sentence.
+        padded = lengths[current[0]] if current else lengths[index]
+        if current and (len(current) + 1) * padded * beam_size > tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches

@@ -7,7 +7,8 @@ last step); safety checkpoints, ``safety_<step>.pt``, are written on a time inte
 only so that a killed job can resume, and never enter an average. A model
 file (``aiayn-model-v1``: written by averaging and at the end of training) holds only what
 decoding needs. Both contain tensors and plain values alone, so they load with
-``torch.load(weights_only=True)``: no pickled code runs when a file is opened.
+``torch.load(weights_only=True)``: no pickled code runs when a file is opened. ``load_model`` is
+the one way the stages load a trained model from either, onto the device ``choose_device`` picks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from aiayn.errors import UserError
 from aiayn.fileio import atomic_path
+from aiayn.model import ModelConfig, Transformer
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint-v1"
 MODEL_FORMAT = "aiayn-model-v1"
@@ -54,6 +56,62 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         if key not in checkpoint:
             raise UserError(f"{path}: a {checkpoint['format']} file without its {key!r} entry; the file is damaged")
     return checkpoint
+
+
+def load_model(
+    path: str | os.PathLike, device: torch.device | str = "cpu", spm_model: str | os.PathLike | None = None,
+) -> Transformer:
+    """A trained Transformer from a checkpoint or model file, in eval mode on `device`.
+
+    With `spm_model`, a model trained with another vocabulary is refused: decoded or drawn with the
+    wrong one, it gives fluent-looking nonsense.
+    """
+    checkpoint = load_checkpoint(path)
+    config = ModelConfig.from_dict(checkpoint["model_config"])
+    if spm_model is not None:
+        _check_vocabulary(path, checkpoint, config, spm_model)
+    model = Transformer(config)
+    try:
+        model.load_state_dict(checkpoint["model"], strict=True)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        raise UserError(
+            f"{path}: its weights do not fit its own model_config ({detail}); the file was written by "
+            "another version of aiayn or is damaged"
+        ) from None
+    return model.to(device).eval()
+
+
+def _check_vocabulary(path: str | os.PathLike, checkpoint: dict, config: ModelConfig,
+                      spm_model: str | os.PathLike) -> None:
+    from aiayn.bpe import load_processor, vocab_fingerprint
+
+    pieces = load_processor(spm_model).get_piece_size()
+    if pieces != config.vocab_size:
+        raise UserError(
+            f"{spm_model} has {pieces} pieces but the model was trained with vocab_size = "
+            f"{config.vocab_size}; use the SentencePiece model of the model's own run"
+        )
+    if checkpoint["vocab_fingerprint"] != vocab_fingerprint(spm_model):
+        raise UserError(f"{path} was trained with another vocabulary than {spm_model}; "
+                        "use the SentencePiece model of the model's own run")
+
+
+def choose_device(requested: str = "auto", gpus: int = 1, local_rank: int = 0) -> torch.device:
+    """``auto``: a GPU when torch sees one and the job asks for GPUs (``gpus`` > 0), else the CPU.
+
+    ``cuda`` where torch sees no GPU is a user error. Processes that outnumber the GPUs share them
+    (local rank modulo the GPU count).
+    """
+    if requested == "cpu" or (requested == "auto" and (gpus == 0 or not torch.cuda.is_available())):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"device {requested} (--device or train.device), but torch sees no CUDA device here; "
+                        "use auto or cpu, or run the job where a GPU is visible")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def save_model(obj: dict, path: str | os.PathLike) -> None:

@@ -16,7 +16,7 @@ COMMANDS = {
     "params": ("aiayn.params", "parameter count of every preset beside the paper's"),
     "train": ("aiayn.train", "train one model preset"),
     "average": ("aiayn.average", "average the last K checkpoints"),
-    "decode": ("aiayn.search", "beam-search a binarised or text split"),
+    "decode": ("aiayn.decode", "beam-search a binarised or text split"),
     "translate": ("aiayn.translate", "translate stdin to stdout with a trained model"),
     "score": ("aiayn.score", "sacreBLEU, paper-comparable tokenized BLEU and chrF"),
     "report": ("aiayn.report", "Table 2 and Table 3 beside the paper's numbers"),

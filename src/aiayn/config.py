@@ -181,12 +181,23 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
 
 
 def _check_heads(name: str, preset: dict, sources: Sequence[str]) -> None:
-    if preset["d_head"] is None and preset["d_model"] % preset["n_heads"]:
-        divisors = [str(h) for h in range(1, preset["d_model"] + 1) if preset["d_model"] % h == 0][:8]
-        where = _defined_in(["presets", name, "n_heads"], sources)
+    try:
+        check_heads(preset["n_heads"], preset["d_model"], preset["d_head"], f"presets.{name}.n_heads")
+    except UserError as error:
+        raise UserError(f"{_defined_in(['presets', name, 'n_heads'], sources)}: {error}") from None
+
+
+def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "n_heads") -> None:
+    """Section 3.2.2's d_k = d_model / h: without an explicit d_head, n_heads must divide d_model.
+
+    The one check for presets and ``ModelConfig`` alike; `setting` names the value in the message.
+    """
+    if d_head is None and d_model % n_heads:
+        divisors = [n for n in range(1, d_model + 1) if d_model % n == 0]
+        choices = ", ".join(str(n) for n in divisors[:5]) + (", ..." if len(divisors) > 5 else "")
         raise UserError(
-            f"{where}: presets.{name}.n_heads = {preset['n_heads']} does not divide d_model = {preset['d_model']} "
-            f"(set d_head explicitly, or choose n_heads in {', '.join(divisors)}, ...)"
+            f"{setting} = {n_heads} does not divide d_model = {d_model} "
+            f"(set d_head explicitly, or choose n_heads in {choices})"
         )
 
 

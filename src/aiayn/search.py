@@ -1,37 +1,27 @@
-"""The decode stage: batched beam search with incremental decoding (paper, Section 6.1).
+"""Batched beam search (paper, Section 6.1), and the greedy decoder it is checked against.
 
 The paper decodes with beam size 4, length penalty alpha = 0.6, a maximum output length of input
 length + 50, and terminates early when possible. This module is that search as tensor operations
-over sentences x beams, driven by the model's cached one-token step (``Transformer.decode_step``):
-the encoder-decoder keys and values are computed once per sentence, the decoder's self-attention
-keys and values are appended one position per step.
+over sentences x beams, driven by a model's cached one-token step (``SearchModel``; for a
+Transformer, ``aiayn.incremental.InferenceModel``). The decode stage's files, batches and threads
+are ``aiayn.decode``.
 
-Top-down: the search settings, the length penalty, the greedy reference decoder, the beam search,
-batched translation of text, model loading, and the ``aiayn decode`` CLI.
-
-Imports torch alone at module level; sentencepiece and tqdm are imported where they are used.
+Top-down: the search settings, the length penalty, the greedy reference decoder, the beam search.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
-import threading
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.errors import UserError, cli
-from aiayn.model import ScratchBuffers
-
-# The vocabulary's fixed ids (aiayn.bpe): repeated here so that this module needs no sentencepiece import.
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
+from aiayn.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -80,6 +70,25 @@ class Hypothesis:
     log_prob: float  # the sum of the token log-probabilities, the final EOS included
 
 
+class SearchModel(Protocol):
+    """What the search drives: an encoder and a cached one-token decoder step. The cache is the
+    model's own (the search only passes it back); ``aiayn.incremental.InferenceModel`` documents the
+    arguments. A model with a ``config`` whose positional is "learned" caps the output length there."""
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def init_cache(
+        self, memory: Tensor, src_pad: Tensor, max_len: int, group: int = 1, capacity: int = 0, scratch: Any = None,
+    ) -> Any: ...
+
+    def decode_step(self, tokens: Tensor, position: int, cache: Any) -> Tensor: ...
+
+    def reorder_cache(
+        self, cache: Any, index: Tensor, sources: Tensor | None = None, filled: int | None = None,
+        group: int | None = None, copy_from: Tensor | None = None, copied: int | None = None,
+    ) -> Any: ...
+
+
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
     """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha (docs/PAPER.md "Inference", the t2t form); alpha = 0 gives 1.
 
@@ -97,7 +106,7 @@ def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int, pad_id: in
     return torch.floor(source_lengths.double() * max_len_a + max_len_b).long()
 
 
-def _position_limit(model: Any) -> int | None:
+def _position_limit(model: SearchModel) -> int | None:
     """A learned positional table has a last row; sinusoids extend to any position (Section 3.5)."""
     config = getattr(model, "config", None)
     if getattr(config, "positional", None) == "learned":
@@ -105,7 +114,7 @@ def _position_limit(model: Any) -> int | None:
     return None
 
 
-def _output_lengths(model: Any, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+def _output_lengths(model: SearchModel, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
     lengths = max_output_lengths(src, max_len_a, max_len_b)
     limit = _position_limit(model)
     # The forced EOS is fed at position max_len, which must exist in a learned table.
@@ -145,9 +154,8 @@ def top_k(scores: Tensor, k: int, block: int = 32) -> tuple[Tensor, Tensor]:
     On the CPU a row's k largest are picked among the k blocks of `block` consecutive scores with the
     largest maxima (and the scores past the last whole block): those k maxima are k scores, so the
     k-th largest score is at least the k-th largest maximum, and a score in any other block is at
-    most that. The values are exactly topk's; among equal scores the indices may differ. For a beam
-    search step (62 sentences x 4 beams x 8000 tokens, k = 8) topk took 3.3 ms and this 1.0 ms
-    (one thread, BENCHMARKS.md's CPU). Elsewhere, and for small rows, it is topk.
+    most that. The values are exactly topk's; among equal scores the indices may differ. It is faster
+    than topk over a beam search step's scores (BENCHMARKS.md). Elsewhere, and for small rows, it is topk.
     """
     rows, n = scores.shape
     blocks = n // block
@@ -169,7 +177,7 @@ def stable_slots(parents: Tensor) -> Tensor:
     A candidate takes its parent's slot when it is the first (best) child of that parent; the other
     children take the slots of parents that left no child, in ascending order. The result is a
     permutation of 0 .. beam - 1 per sentence, and a hypothesis that continues in its own slot needs
-    no copy of its cached keys and values (``Transformer.reorder_cache`` skips rows that stay).
+    no copy of its cached keys and values (``InferenceModel.reorder_cache`` skips rows that stay).
     """
     beam = parents.shape[1]
     slots = torch.arange(beam, device=parents.device)
@@ -184,7 +192,7 @@ def stable_slots(parents: Tensor) -> Tensor:
 
 @torch.no_grad()
 def greedy_search(
-    model: Any, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, length_penalty_alpha: float = 0.6
+    model: SearchModel, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, length_penalty_alpha: float = 0.6
 ) -> list[Hypothesis]:
     """The reference decoder: the most probable next token at every step, with the same cache and limits.
 
@@ -218,13 +226,12 @@ def greedy_search(
 
 @torch.no_grad()
 def beam_search(
-    model: Any, src: Tensor, config: SearchConfig = SearchConfig(), scratch: ScratchBuffers | None = None
+    model: SearchModel, src: Tensor, config: SearchConfig = SearchConfig(), scratch: Any = None
 ) -> list[list[Hypothesis]]:
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
-    The model needs the Transformer's inference API: encode, init_cache (with group, capacity and
-    scratch), decode_step, reorder_cache (with sources, filled, group, copy_from and copied). A thread that
-    searches batch after batch passes the same `scratch` to each, so their caches reuse one memory.
+    `scratch` goes to the model's init_cache: a thread that searches batch after batch passes the
+    same ``ScratchBuffers`` to each, so that their caches reuse one memory.
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
@@ -294,8 +301,8 @@ def beam_search(
         is_eos = top_token.eq(EOS_ID)
 
         # Finish the EOS candidates among the top beam_size; merge with earlier ones, keep the best beam_size.
-        # On the CPU a step where nothing ends skips the merge (its concatenations and gathers were about
-        # 1% of a bench search's operator time); elsewhere asking would cost a device synchronisation.
+        # On the CPU a step where nothing ends skips the merge (its concatenations and gathers); elsewhere
+        # asking would cost a device synchronisation.
         ends = is_eos[:, :beam] & top_log_probs[:, :beam].isfinite()
         if not reads_free or bool(ends.any()):
             end_log_probs = top_log_probs[:, :beam].masked_fill(~ends, -math.inf)
@@ -408,9 +415,8 @@ def first_differing_positions(
     0 .. step - 1 (beam search: new_tokens are the old rows that survive); decoder position
     p reads the tokens before it (BOS, then tokens[:p]). Two hypotheses of one sentence whose first
     k tokens agree descend from one hypothesis of length k, whose keys and values at positions
-    0 .. k were computed once and copied, so those positions need no copy (on bench/decode_cpu.py
-    that is an eighth of what copying the whole rows moved). A row that takes over another
-    sentence's row starts at 0.
+    0 .. k were computed once and copied, so those positions need no copy. A row that takes over
+    another sentence's row starts at 0.
     """
     rows = new_tokens.shape[0]
     differs = tokens[:rows, :step].ne(new_tokens[:, :step])  # (rows, step)
@@ -431,303 +437,3 @@ def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[
         for row_scores, row_log_probs, row_tokens in zip(scores.tolist(), log_probs.tolist(), tokens.tolist())
     ]
 
-
-# decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
-# decoder cache (beam 4, outputs up to source + 50, bf16) within an 80 GB GPU even for a batch of the
-# shortest sources (config/README.md has the arithmetic); elsewhere the CPU's 8000.
-AUTO_TOKENS_PER_BATCH = {"cuda": 50000}
-CPU_TOKENS_PER_BATCH = 8000
-
-
-def resolve_tokens_per_batch(tokens_per_batch: int | str, device: torch.device | str) -> int:
-    """decode.tokens_per_batch as a number: `auto` by the device's type (AUTO_TOKENS_PER_BATCH, else
-    CPU_TOKENS_PER_BATCH); a number as it is."""
-    if tokens_per_batch == "auto":
-        return AUTO_TOKENS_PER_BATCH.get(torch.device(device).type, CPU_TOKENS_PER_BATCH)
-    if isinstance(tokens_per_batch, bool) or not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
-        raise UserError(f"tokens_per_batch = {tokens_per_batch!r} must be a whole number of at least 1, or auto")
-    return tokens_per_batch
-
-
-def tokens_per_batch_argument(text: str) -> int | str:
-    """A --tokens-per-batch value: a whole number, or auto (checked by resolve_tokens_per_batch)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or auto") from None
-
-
-def length_sorted_batches(lengths: Sequence[int], tokens_per_batch: int, beam_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length, longest first, each within the token budget.
-
-    The budget counts padded source tokens times beam_size (each source row becomes beam_size
-    decoder rows); a sentence longer than the budget alone still gets a batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        # Sorted longest first, so the batch's padded length is that of its first sentence.
-        padded = lengths[current[0]] if current else lengths[index]
-        if current and (len(current) + 1) * padded * beam_size > tokens_per_batch:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
-    longest = max(len(sequence) for sequence in sequences)
-    batch = torch.full((len(sequences), longest), PAD_ID, dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        batch[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-    return batch.to(device)
-
-
-def search_workers(workers: int, device: torch.device) -> int:
-    """The workers search_batches uses: as asked on the CPU; 1 on an accelerator, which runs one search
-    at a time (larger batches keep it busy), so that CPU configs also run there."""
-    return workers if device.type == "cpu" else 1
-
-
-def search_batches(
-    model: Any,
-    batches: Sequence[Tensor],
-    config: SearchConfig = SearchConfig(),
-    workers: int = 1,
-    on_done: Callable[[int], None] | None = None,
-) -> list[list[list[Hypothesis]]]:
-    """beam_search on each padded batch (all on one device, most sentences first), returning each
-    batch's results in the order of `batches`.
-
-    With workers > 1 on the CPU (elsewhere it is 1) that many batches are searched at the same time,
-    each in its own thread with torch.get_num_threads() // workers intra-op threads (at least 1);
-    CTranslate2 calls these inter_threads. torch releases the GIL inside its operators, so
-    the threads run on separate cores. A search step is hundreds of small operators, which one
-    thread runs with less overhead than two sharing each operator: on 2 cores, 2 workers of 1
-    thread each decode 1.07 to 1.23 times as many tokens per second as 1 worker of 2 threads (BENCHMARKS.md).
-    on_done(sentences) is called as each batch finishes (from the calling thread).
-    Under inference_mode, with bf16 autocast on CUDA.
-    """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise UserError(f"workers = {workers!r} must be a whole number of at least 1")
-    if not batches:
-        return []
-    device = batches[0].device
-    workers = search_workers(workers, device)
-    per_thread = threading.local()  # each thread's ScratchBuffers: its searches reuse one cache memory
-
-    def search(batch: Tensor) -> list[list[Hypothesis]]:
-        if not hasattr(per_thread, "scratch"):
-            per_thread.scratch = ScratchBuffers()
-        # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
-        # inference_mode and autocast are per thread, so each worker enters them itself.
-        autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-        with torch.inference_mode(), autocast:
-            return beam_search(model, batch, config, per_thread.scratch)
-
-    results: list[list[list[Hypothesis]]] = [[] for _ in batches]
-    # Most sentences first (each costs a decoder row per beam and step; source length matters less): a
-    # thread's first search sizes the scratch memory that its later ones reuse, and with workers the
-    # last batches to start are small ones, so that the workers finish close together.
-    largest_first = sorted(range(len(batches)), key=lambda index: (-batches[index].shape[0], -batches[index].numel()))
-    if workers == 1:
-        for index in largest_first:
-            results[index] = search(batches[index])
-            if on_done is not None:
-                on_done(batches[index].shape[0])
-        return results
-
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    threads = torch.get_num_threads()
-    per_worker = max(1, threads // workers)
-
-    def initialise() -> None:
-        torch.set_num_threads(per_worker)  # OpenMP's thread count is per calling thread: set it in each
-
-    try:
-        with ThreadPoolExecutor(max_workers=workers, initializer=initialise, thread_name_prefix="aiayn-search") as pool:
-            futures = {pool.submit(search, batches[index]): index for index in largest_first}
-            for future in as_completed(futures):
-                results[futures[future]] = future.result()
-                if on_done is not None:
-                    on_done(batches[futures[future]].shape[0])
-    finally:
-        torch.set_num_threads(threads)
-    return results
-
-
-def translate_hypotheses(
-    model: Any,
-    processor: Any,
-    sentences: Sequence[str],
-    config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int | str = "auto",
-    device: torch.device | str = "cpu",
-    progress: bool = True,
-    workers: int = 1,
-) -> list[list[Hypothesis]]:
-    """Beam-search each sentence; the n_best hypotheses per sentence in input order.
-
-    A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
-    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches.
-    """
-    from tqdm import tqdm
-
-    device = torch.device(device)
-    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
-    results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
-    to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
-    if not to_decode:
-        return results
-    # Source sequences are BPE ids then EOS, no BOS (the binarise stage's convention).
-    encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
-    batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
-    padded = [_pad([encoded[i] for i in batch], device) for batch in batches]
-    with tqdm(total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr) as bar:
-        searched = search_batches(model, padded, config, workers, on_done=bar.update)
-    for batch, hypotheses in zip(batches, searched):
-        for position, sentence_hypotheses in zip(batch, hypotheses):
-            results[to_decode[position]] = sentence_hypotheses
-    return results
-
-
-def translate_sentences(
-    model: Any,
-    processor: Any,
-    sentences: Sequence[str],
-    config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int | str = "auto",
-    device: torch.device | str = "cpu",
-    progress: bool = True,
-    workers: int = 1,
-) -> list[str]:
-    """The best translation of each sentence, detokenised, in input order (a blank line gives "")."""
-    hypotheses = translate_hypotheses(
-        model, processor, sentences, config, tokens_per_batch, device, progress, workers)
-    return [processor.decode(best[0].tokens) if best[0].tokens else "" for best in hypotheses]
-
-
-def translate_n_best(
-    model: Any,
-    processor: Any,
-    sentences: Sequence[str],
-    config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int | str = "auto",
-    device: torch.device | str = "cpu",
-    progress: bool = True,
-    workers: int = 1,
-) -> list[list[tuple[float, str]]]:
-    """For each sentence, its config.n_best (score, translation) pairs, best first, in input order."""
-    hypotheses = translate_hypotheses(
-        model, processor, sentences, config, tokens_per_batch, device, progress, workers)
-    return [
-        [(hypothesis.score, processor.decode(hypothesis.tokens) if hypothesis.tokens else "")
-         for hypothesis in sentence_hypotheses]
-        for sentence_hypotheses in hypotheses
-    ]
-
-
-def load_model(path: str, device: torch.device | str = "cpu"):
-    """A trained Transformer from an aiayn checkpoint or averaged model file, in eval mode on device."""
-    from aiayn.checkpoint import load_checkpoint
-    from aiayn.model import ModelConfig, Transformer
-
-    checkpoint = load_checkpoint(path)
-    config = ModelConfig.from_dict(checkpoint["model_config"])
-    model = Transformer(config)
-    try:
-        model.load_state_dict(checkpoint["model"], strict=True)
-    except RuntimeError as error:
-        first = str(error).strip().splitlines()
-        detail = " ".join(line.strip() for line in first[:3])
-        raise UserError(
-            f"{path}: its weights do not fit its own model_config ({detail}); the file was written by "
-            "another version of aiayn or is damaged"
-        ) from None
-    return model.to(device).eval()
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is the GPU when there is one; 'cuda' without a GPU is a user error, not a traceback."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but torch sees no GPU here (use --device cpu or auto)")
-    return torch.device(name)
-
-
-def check_vocabulary(model: Any, processor: Any, spm_model: str) -> None:
-    """A model decoded with another vocabulary gives fluent-looking nonsense, so refuse it outright."""
-    pieces = processor.get_piece_size()
-    if pieces != model.config.vocab_size:
-        raise UserError(
-            f"{spm_model} has {pieces} pieces but the model was trained with vocab_size = "
-            f"{model.config.vocab_size}; use the SentencePiece model of the model's own run"
-        )
-
-
-def load_runtime(args: argparse.Namespace) -> tuple[Any, Any, torch.device]:
-    """Model, SentencePiece processor and device from the arguments of ``add_runtime_arguments``."""
-    from aiayn.bpe import load_processor
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads} must be at least 1")
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    processor = load_processor(args.spm_model)
-    model = load_model(args.model, device)
-    check_vocabulary(model, processor, args.spm_model)
-    return model, processor, device
-
-
-def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="an averaged model.pt or a training checkpoint")
-    parser.add_argument("--spm-model", required=True, help="the run's SentencePiece model (spm.model)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-
-
-@cli
-def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.config import add_config_arguments, section_from_arguments
-    from aiayn.fileio import read_lines, write_lines_atomic
-
-    parser = argparse.ArgumentParser(prog="aiayn decode", description=__doc__.splitlines()[0])
-    add_config_arguments(parser, "decode")
-    add_runtime_arguments(parser)
-    parser.add_argument("--input", required=True, help="source text, one sentence a line")
-    parser.add_argument("--output", required=True, help="where to write the translations, one a line")
-    args = parser.parse_args(argv)
-
-    section = dict(section_from_arguments(args, "decode"))
-    tokens_per_batch = section.pop("tokens_per_batch", "auto")
-    workers = int(section.pop("workers", 1))
-    config = SearchConfig.from_dict(section)
-    sentences = read_lines(args.input)
-    model, processor, device = load_runtime(args)
-    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
-
-    start = time.perf_counter()
-    hypotheses = translate_hypotheses(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
-    workers = search_workers(workers, device)
-    seconds = max(time.perf_counter() - start, 1e-9)
-    # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
-    target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())
-    write_lines_atomic(args.output, [processor.decode(best[0].tokens) if best[0].tokens else "" for best in hypotheses])
-    print(
-        f"decoded {len(sentences)} sentences ({target_tokens} target tokens) in {seconds:.1f} s on {device}: "
-        f"{len(sentences) / seconds:.1f} sentences/s, {target_tokens / seconds:.0f} target tokens/s "
-        f"(beam {config.beam_size}, alpha {config.length_penalty}, max length "
-        f"{config.max_len_a:g} * source + {config.max_len_b}, tokens_per_batch {tokens_per_batch}, workers {workers})"
-    )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

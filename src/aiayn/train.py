@@ -27,7 +27,7 @@ from aiayn.batching import StepShape, collate, length_batches, split_step, step_
 from aiayn.binarize import load_split
 from aiayn.bpe import PAD_ID
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
-from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, is_window_step,
+from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, choose_device, is_window_step,
                               list_checkpoints, load_checkpoint, save_model)
 from aiayn.config import check_resolved_preset, check_section
 from aiayn.errors import UserError, cli
@@ -197,22 +197,6 @@ class Distributed:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         own_gpu = device.type == "cuda" and local_world <= torch.cuda.device_count()
         torch.distributed.init_process_group("nccl" if own_gpu else "gloo")
-
-
-
-def choose_device(dist: Distributed, requested: str = "auto", gpus: int = 1) -> torch.device:
-    """``auto``: a GPU when torch sees one and the preset asks for GPUs (``gpus`` > 0), else the CPU.
-
-    Processes that outnumber the GPUs share them (local rank modulo the GPU count).
-    """
-    if requested == "cpu" or (requested == "auto" and (gpus == 0 or not torch.cuda.is_available())):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError("train.device (or --device) is cuda but torch sees no CUDA device; "
-                        "use device: auto or cpu, or run the job where a GPU is visible")
-    index = dist.local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def autocast_context(device: torch.device, precision: str):
@@ -389,7 +373,7 @@ class Trainer:
         self.job = job
         self.dist = Distributed.from_environment()
         requested = job.device if job.device != "auto" else job.train_section["device"]
-        self.device = choose_device(self.dist, requested, job.preset["gpus"])
+        self.device = choose_device(requested, job.preset["gpus"], self.dist.local_rank)
         self.dist.init(self.device)
         self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
         self.world = self.dist.world_size

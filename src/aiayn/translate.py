@@ -1,6 +1,6 @@
 """The translate command: source sentences on stdin, translations on stdout, with a trained model.
 
-The same beam search as the decode stage (aiayn.search), for trying a model by hand:
+The same beam search as the decode stage (aiayn.decode), for trying a model by hand:
 
     echo "The house is small." | aiayn translate --model model.pt --spm-model spm.model
 
@@ -16,10 +16,9 @@ import argparse
 import sys
 from typing import Sequence, TextIO
 
+from aiayn.decode import add_runtime_arguments, hypothesis_text, load_runtime, tokens_per_batch_argument, translate
 from aiayn.errors import UserError, cli
-from aiayn.search import (
-    SearchConfig, add_runtime_arguments, load_runtime, tokens_per_batch_argument, translate_n_best,
-)
+from aiayn.search import SearchConfig
 
 
 def read_source(stream) -> list[str]:
@@ -70,8 +69,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
-    results = translate_n_best(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
-                               workers=args.workers)
+    hypotheses = translate(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
+                           workers=args.workers)
+    results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
+               for sentence in hypotheses]
     write_translations(results, config.n_best, sys.stdout)
     sys.stdout.flush()
 

@@ -1,0 +1,227 @@
+"""Incremental decoding (src/aiayn/incremental.py) equals the model's own forward pass (src/aiayn/model.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.incremental import InferenceModel, ScratchBuffers, _few_query_attention, key_padding_bias
+from aiayn.model import Transformer
+from aiayn.packed import _onednn_linear_available
+from test_model import PAD, VOCAB, tiny_config, tiny_model, tokens  # the same tiny float64 models
+
+
+# The cached step, against the full forward pass.
+
+
+# float32 takes the CPU's fast paths (oneDNN-packed weights, explicit few-query attention).
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_decode_step_reproduces_full_decode_logits_at_every_position(dtype, tolerance):
+    model = tiny_model(d_head=6, d_value=10).to(dtype)
+    inference = InferenceModel(model)
+    src = tokens(3, 7, seed=1)
+    src[0, 5:] = PAD
+    tgt = tokens(3, 6, seed=2)
+    with torch.no_grad():
+        full = model(src, tgt)
+        cache = inference.init_cache(*inference.encode(src), max_len=10)
+        for position in range(6):
+            step = inference.decode_step(tgt[:, position], position, cache)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=tolerance)
+
+
+def test_decode_step_after_reorder_cache_matches_the_reordered_batch():
+    model = tiny_model()
+    inference = InferenceModel(model)
+    src = tokens(3, 7, seed=1)
+    src[1, 4:] = PAD
+    tgt = tokens(3, 6, seed=2)
+    index = torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        cache = inference.init_cache(*inference.encode(src), max_len=6)
+        for position in range(3):
+            inference.decode_step(tgt[:, position], position, cache)
+        cache = inference.reorder_cache(cache, index)
+        reordered = model(src[index], tgt[index])
+        for position in range(3, 6):
+            step = inference.decode_step(tgt[index, position], position, cache)
+            torch.testing.assert_close(step, reordered[:, position], rtol=0, atol=1e-10)
+
+
+def test_reorder_cache_can_grow_the_batch_for_beams():
+    model = tiny_model()
+    inference = InferenceModel(model)
+    src, tgt = tokens(2, 5, seed=1), tokens(2, 4, seed=2)
+    beams = torch.tensor([0, 0, 1, 1])
+    with torch.no_grad():
+        cache = inference.reorder_cache(inference.init_cache(*inference.encode(src), max_len=4), beams)
+        full = model(src[beams], tgt[beams])
+        for position in range(4):
+            step = inference.decode_step(tgt[beams, position], position, cache)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
+
+
+def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batch():
+    model = tiny_model(d_head=6, d_value=10)
+    inference = InferenceModel(model)
+    src = tokens(2, 5, seed=1)
+    src[1, 3:] = PAD
+    tgt = tokens(4, 6, seed=2)
+    rows = torch.tensor([0, 0, 1, 1])  # two beams per source
+    with torch.no_grad():
+        cache = inference.init_cache(*inference.encode(src), max_len=6, group=2)
+        assert cache.memory_keys.shape[1] == 2 and cache.rows == 4
+        for position in range(3):
+            inference.decode_step(tgt[:, position], position, cache)
+        # Beams move within their sentence: row 0 takes row 1's history, rows 2 and 3 swap.
+        index = torch.tensor([1, 1, 3, 2])
+        cache = inference.reorder_cache(cache, index, filled=3)
+        full = model(src[rows], tgt[index])
+        for position in range(3, 5):
+            step = inference.decode_step(tgt[index, position], position, cache)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
+        # The first sentence leaves: its memory goes with it, the second keeps its two beams.
+        buffer = cache.key_buffer.data_ptr()
+        cache = inference.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]), filled=5)
+        assert cache.memory_keys.shape[1] == 1 and cache.rows == 2
+        assert cache.key_buffer.data_ptr() == buffer  # shrunk in place
+        full = model(src[[1, 1]], tgt[index][[2, 3]])
+        step = inference.decode_step(tgt[index][[2, 3], 5], 5, cache)
+        torch.testing.assert_close(step, full[:, 5], rtol=0, atol=1e-10)
+
+
+def test_reorder_cache_regroups_one_row_per_source_into_beams():
+    model = tiny_model(d_head=6, d_value=10)
+    inference = InferenceModel(model)
+    src = tokens(2, 5, seed=1)
+    src[1, 3:] = PAD
+    tgt = tokens(4, 6, seed=2)
+    tgt[1, 0], tgt[3, 0] = tgt[0, 0], tgt[2, 0]  # beams of a source share their first token
+    with torch.no_grad():
+        cache = inference.init_cache(*inference.encode(src), max_len=6, capacity=4)  # one row per source
+        buffer = cache.key_buffer.data_ptr()
+        inference.decode_step(tgt[[0, 2], 0], 0, cache)
+        cache = inference.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), filled=1, group=2)
+        assert cache.group == 2 and cache.rows == 4 and cache.memory_keys.shape[1] == 2
+        assert cache.key_buffer.data_ptr() == buffer  # grown within its capacity, in place
+        full = model(src[[0, 0, 1, 1]], tgt)
+        for position in range(1, 6):
+            step = inference.decode_step(tgt[:, position], position, cache)
+            torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
+        with pytest.raises(ValueError, match="3 rows for 2 sources of 2 rows each"):
+            fresh = inference.init_cache(*inference.encode(src), max_len=6)
+            inference.reorder_cache(fresh, torch.tensor([0, 0, 1]), group=2)
+
+
+@pytest.mark.parametrize("copy_from, starts", [(None, [4, 0, 0]), ([4, 2, 0], [4, 2, 0])])
+def test_reorder_cache_copies_moved_rows_from_copy_from_up_to_filled(copy_from, starts):
+    # By default a row that stays copies nothing and a row that moves copies all of its filled positions.
+    model = tiny_model()
+    inference = InferenceModel(model)
+    index, filled = torch.tensor([0, 0, 1]), 4
+    with torch.no_grad():
+        cache = inference.init_cache(*inference.encode(tokens(1, 4, seed=1)), max_len=6, group=3)
+        for buffer in (cache.self_keys, cache.self_values):  # every value its own number, to trace moves
+            buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype).view_as(buffer))
+        before = (cache.self_keys.clone(), cache.self_values.clone())
+        starts_given = None if copy_from is None else torch.tensor(copy_from)
+        inference.reorder_cache(cache, index, filled=filled, copy_from=starts_given)
+    for after, old in zip((cache.self_keys, cache.self_values), before):
+        for row, (origin, start) in enumerate(zip(index.tolist(), starts)):
+            assert torch.equal(after[:, row, :, :start], old[:, row, :, :start])  # below copy_from: as it was
+            # Row 2 reads row 1's old values although row 1 is rewritten.
+            assert torch.equal(after[:, row, :, start:filled], old[:, origin, :, start:filled])
+            assert torch.equal(after[:, row, :, filled:], old[:, row, :, filled:])  # unwritten positions untouched
+
+
+@pytest.mark.parametrize("positional", ["learned", "none"])
+def test_learned_and_none_positions_build_run_and_decode_incrementally(positional):
+    model = tiny_model(positional=positional)
+    inference = InferenceModel(model)
+    src, tgt = tokens(2, 5, seed=1), tokens(2, 4, seed=2)
+    with torch.no_grad():
+        logits = model(src, tgt)
+        cache = inference.init_cache(*inference.encode(src), max_len=4)
+        last = [inference.decode_step(tgt[:, position], position, cache) for position in range(4)][-1]
+    assert logits.shape == (2, 4, VOCAB)
+    torch.testing.assert_close(last, logits[:, -1], rtol=0, atol=1e-10)
+
+
+# The encoder for inference.
+
+
+def test_encoder_without_gradients_uses_packed_weights_and_gives_the_model_s_memory():
+    model = tiny_model().float()  # packing is for float32
+    inference = InferenceModel(model)
+    src = tokens(3, 7, seed=1)
+    src[1, 4:] = PAD
+    expected, _ = model.encode(src)  # the model's own linear maps
+    assert torch.equal(inference.encode(src)[0], expected)  # with gradients: the model's path
+    assert not inference.packed._packed
+    with torch.inference_mode():
+        memory, src_pad = inference.encode(src)
+    if _onednn_linear_available():
+        assert "encoder.0.qkv" in inference.packed._packed
+    torch.testing.assert_close(memory, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(src_pad, src.eq(PAD))
+
+
+def test_encoder_in_training_mode_keeps_its_dropout_without_gradients():
+    model = tiny_model(dropout=0.5).float().train()
+    inference = InferenceModel(model)
+    src = tokens(2, 6, seed=2)
+    with torch.no_grad():
+        first, _ = inference.encode(src)
+        second, _ = inference.encode(src)
+    assert not inference.packed._packed  # the modules' path, dropout and all
+    assert not torch.allclose(first, second)
+
+
+# The CPU's attention for a few queries, and the caches' memory.
+
+
+@pytest.mark.parametrize("queries", [1, 4])
+@pytest.mark.parametrize("keys", [9, 60])  # 1 query over 9 keys of size 8 takes the products-and-sums path
+def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries, keys):
+    generator = torch.Generator().manual_seed(queries)
+    q, k, v = (torch.randn(3, 2, length, 8, generator=generator) for length in (queries, keys, keys))
+    src_pad = torch.zeros(3, keys, dtype=torch.bool)
+    src_pad[0, 5:] = True
+    src_pad[2, 1:] = True  # one key left
+    mask = ~src_pad[:, None, None, :]
+    for key_mask in (None, mask):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        torch.testing.assert_close(_few_query_attention(q, k, v, key_mask), expected, rtol=1e-5, atol=1e-6)
+    # The mask as an additive bias, with keys contiguous or stored transposed (as init_cache does on the CPU).
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for keys in (k, k.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        result = _few_query_attention(q, keys, v, key_padding_bias(src_pad, torch.float32))
+        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_scratch_buffers_reuse_their_memory_until_a_tensor_does_not_fit():
+    scratch, like = ScratchBuffers(), torch.zeros(1)
+    first = scratch.take("keys", (2, 3, 4), like)
+    assert first.shape == (2, 3, 4) and first.is_contiguous()
+    assert scratch.take("keys", (5, 4), like).data_ptr() == first.data_ptr()  # fits: the same memory
+    assert scratch.take("values", (2, 3), like).data_ptr() != first.data_ptr()  # another name, other memory
+    grown = scratch.take("keys", (7, 4), like)
+    assert grown.shape == (7, 4) and grown.data_ptr() != first.data_ptr()
+    assert scratch.take("keys", (2, 2), like.double()).dtype == torch.float64
+
+
+# Mixed precision.
+
+
+def test_bf16_autocast_on_cpu_gives_finite_incremental_logits():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(dropout=0.1)).eval()
+    inference = InferenceModel(model)
+    src, tgt = tokens(2, 6, seed=1), tokens(2, 5, seed=2)
+    src[0, 4:] = PAD
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), torch.no_grad():
+        cache = inference.init_cache(*inference.encode(src), max_len=5)
+        step = inference.decode_step(tgt[:, 0], 0, cache)
+    assert cache.key_buffer.dtype == torch.bfloat16
+    assert torch.isfinite(step).all()
