@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -157,3 +158,37 @@ def test_a_section_given_as_json_is_checked_and_gets_the_schemas_defaults(capsys
     status = bpe_main(["--bpe-json", '{"vocab_sise": 100}', "--out-dir", "unused", "in.txt"])
     assert status == 2
     assert "unknown key bpe.vocab_sise" in capsys.readouterr().err
+
+
+def test_every_code_default_equals_the_schemas():
+    """The schema is the one home of defaults: a default written in code must be the schema's."""
+    import dataclasses
+    import inspect
+
+    from aiayn.config import section_defaults
+    from aiayn.decode import search_batches, translate
+    from aiayn.search import SearchConfig
+    from aiayn.translate import arguments
+
+    decode = section_defaults("decode")
+    search_defaults = {field.name: field.default for field in dataclasses.fields(SearchConfig)}
+    shared = set(search_defaults) & set(decode)
+    assert shared == {"beam_size", "length_penalty", "max_len_a", "max_len_b"}
+    assert {key: search_defaults[key] for key in shared} == {key: decode[key] for key in shared}
+    for function in (translate, search_batches):
+        parameters = inspect.signature(function).parameters
+        for key in ("tokens_per_batch", "workers"):
+            if key in parameters:
+                assert parameters[key].default == decode[key], (function.__name__, key)
+    options = vars(arguments().parse_args(["--model", "m.pt", "--spm-model", "spm.model"]))
+    assert (options["beam"], options["alpha"], options["max_len_a"], options["max_len_b"],
+            options["tokens_per_batch"], options["workers"]) == (
+        decode["beam_size"], decode["length_penalty"], decode["max_len_a"], decode["max_len_b"],
+        decode["tokens_per_batch"], decode["workers"])
+
+
+def test_the_model_configs_defaults_are_the_papers_base_model():
+    config = load_config([REPO / "config" / "wmt14_en_de.yaml"])
+    base = resolve_preset(config, "base")
+    defaults = {field.name: field.default for field in dataclasses.fields(ModelConfig) if field.name != "vocab_size"}
+    assert {key: base[key] for key in defaults if key in base} == {key: defaults[key] for key in defaults if key in base}

@@ -14,7 +14,8 @@ import argparse
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -198,6 +199,22 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
 
+@dataclass(frozen=True)
+class DecodeSettings:
+    """The ``decode`` section, built once at the CLI boundary: the search itself and how it is fed."""
+
+    search: SearchConfig
+    tokens_per_batch: int | str  # a number, or "auto" (``resolve_tokens_per_batch``)
+    workers: int
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any]) -> DecodeSettings:
+        """From a checked section with the schema's defaults filled in (``aiayn.config``)."""
+        values = dict(section)
+        tokens_per_batch, workers = values.pop("tokens_per_batch"), values.pop("workers")
+        return cls(search=SearchConfig.from_dict(values), tokens_per_batch=tokens_per_batch, workers=workers)
+
+
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.config import add_config_arguments, section_from_arguments
@@ -210,17 +227,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="where to write the translations, one a line")
     args = parser.parse_args(argv)
 
-    section = dict(section_from_arguments(args, "decode"))
-    tokens_per_batch = section.pop("tokens_per_batch", "auto")
-    workers = int(section.pop("workers", 1))
-    config = SearchConfig.from_dict(section)
+    settings = DecodeSettings.from_section(section_from_arguments(args, "decode"))
+    config = settings.search
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
-    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
+    tokens_per_batch = resolve_tokens_per_batch(settings.tokens_per_batch, device)
+    workers = search_workers(settings.workers, device)
 
     start = time.perf_counter()
     hypotheses = translate(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
-    workers = search_workers(workers, device)
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())

@@ -47,21 +47,28 @@ def write_translations(results: list[list[tuple[float, str]]], n_best: int, out:
         out.write("\n")
 
 
-@cli
-def main(argv: Sequence[str] | None = None) -> None:
-    defaults = SearchConfig()
+def arguments() -> argparse.ArgumentParser:
+    """The command's options; their defaults are the `decode` section's, from the schema."""
+    from aiayn.config import section_defaults
+
+    defaults = section_defaults("decode")
     parser = argparse.ArgumentParser(prog="aiayn translate", description=__doc__.splitlines()[0])
     add_runtime_arguments(parser)
-    parser.add_argument("--beam", type=int, default=defaults.beam_size, help="beam size (paper: 4)")
-    parser.add_argument("--alpha", type=float, default=defaults.length_penalty, help="length penalty (paper: 0.6)")
-    parser.add_argument("--n-best", type=int, default=defaults.n_best, help="hypotheses per sentence")
-    parser.add_argument("--max-len-a", type=float, default=defaults.max_len_a)
-    parser.add_argument("--max-len-b", type=int, default=defaults.max_len_b)
-    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument, default="auto",
+    parser.add_argument("--beam", type=int, default=defaults["beam_size"], help="beam size (paper: 4)")
+    parser.add_argument("--alpha", type=float, default=defaults["length_penalty"], help="length penalty (paper: 0.6)")
+    parser.add_argument("--n-best", type=int, default=SearchConfig().n_best, help="hypotheses per sentence")
+    parser.add_argument("--max-len-a", type=float, default=defaults["max_len_a"])
+    parser.add_argument("--max-len-b", type=int, default=defaults["max_len_b"])
+    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument, default=defaults["tokens_per_batch"],
                         help="padded source tokens x beam per batch (auto: by device, config/README.md)")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=int, default=defaults["workers"],
                         help="CPU only: batches searched at once, each with threads / workers torch threads")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@cli
+def main(argv: Sequence[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
 
     config = SearchConfig(
         beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
