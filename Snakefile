@@ -26,3 +26,12 @@ rule all:
     input:
         report_outputs(),
     default_target: True
+
+
+# The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end.
+onsuccess:
+    show_job_messages(failed=False)
+
+
+onerror:
+    show_job_messages(failed=True)

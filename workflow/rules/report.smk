@@ -45,8 +45,10 @@ rule report:
     resources:
         mem_mb=4000,
         runtime=20,
+        attempt=attempt_number,
     shell:
-        "aiayn report --presets-json {params.presets:q} --results {params.results} --out-dir {params.out_dir} "
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "report --presets-json {params.presets:q} --results {params.results} --out-dir {params.out_dir} "
         "--seeds {params.seeds} --base {params.base} --tgt-lang {params.tgt_lang} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
-        "--tracking-uri {params.tracking_uri:q} > {log} 2>&1"
+        "--tracking-uri {params.tracking_uri:q}"
