@@ -26,3 +26,12 @@ rule all:
     input:
         rules.report.output,
     default_target: True
+
+
+# The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end.
+onsuccess:
+    show_job_messages(failed=False)
+
+
+onerror:
+    show_job_messages(failed=True)

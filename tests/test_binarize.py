@@ -96,3 +96,22 @@ def test_a_bad_line_late_in_the_text_leaves_no_split_behind(prepared, tmp_path, 
         binarize_split("train", tmp_path / "train.en", prepared / "data" / "train.de", prepared / "bpe" / "spm.model",
                        tmp_path / "bin", max_tokens=64, workers=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["train.en"]
+
+
+def test_a_worker_that_dies_ends_the_stage_instead_of_hanging(prepared, monkeypatch):
+    """multiprocessing.Pool replaced a killed worker and waited forever for its chunk; now the stage ends."""
+    import multiprocessing
+    import os
+    import signal
+
+    import aiayn.binarize as binarize
+
+    monkeypatch.setattr(binarize, "CHUNK_PAIRS", 50)
+    chunks = binarize.encode_chunks(prepared / "data" / "train.en", prepared / "data" / "train.de",
+                                    prepared / "bpe" / "spm.model", workers=2)
+    next(chunks)
+    for worker in multiprocessing.active_children():
+        os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="a binarise worker process died"):
+        for _ in chunks:
+            pass

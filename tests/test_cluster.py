@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, write_text_corpus
 from slurm_cluster import PARTITION, ClusterUnavailable, LocalCluster
 
 pytestmark = pytest.mark.workflow
@@ -268,3 +268,23 @@ def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
     light = [fields for (rule, _), fields in jobs.items() if rule not in ("train", "decode", "all")]
     assert len(light) == 1 + 1 + 2 + 20 + 40 + 1  # download, bpe, binarize, average, score, report
     assert all("gpu" not in fields and fields["nodes"] == "1" for fields in light)
+
+
+def test_a_user_error_in_a_slurm_job_is_shown_once_and_not_retried(cluster, tmp_path):
+    """A download job that refuses its input, through sbatch: its message reaches the login node's
+    terminal (a SLURM job's own output never does), and the retry (one here, to be quick) ends at once."""
+    workdir = copy_workflow(tmp_path)
+    profile = cluster_profile(workdir, cluster)
+    local = write_text_corpus(workdir / "raw", (("train", 50), ("dev", 5), ("test", 5)))
+    (workdir / "raw" / "texts").mkdir()
+    local["train"]["src"] = str(workdir / "raw" / "texts")
+    (workdir / "broken.yaml").write_text(json.dumps({"data": {"source": "local", "local": local}}))
+    result = subprocess.run(snakemake_command("--profile", str(profile), "--configfile", "override.yaml", "broken.yaml",
+                                              "--retries", "1"),
+                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=600)
+    terminal = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert len([name for _, name in submitted(terminal) if name == "download"]) == 2, terminal[-4000:]
+    assert terminal.count(f"error: data.local.train.src: {workdir}/raw/texts is a directory") == 1, terminal[-4000:]
+    log = (workdir / "results/demo/logs/download.log").read_text()
+    assert log.count("error: ") == 1 and "attempt 2 of this command not run: attempt 1 ended with a user error" in log

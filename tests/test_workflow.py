@@ -14,7 +14,7 @@ import time
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, write_text_corpus
 
 OVERRIDE = """
 data: {demo: {seed: 3, train: 1500, dev: 40, test: 40}}
@@ -213,3 +213,56 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
                                        "bootstrap_p_vs_base"])):
         frames = [pd.read_csv(root / "report" / f"{table}.csv")[columns] for root in (uninterrupted, restarted)]
         pd.testing.assert_frame_equal(frames[0], frames[1])
+
+
+def broken_local_input(workdir):
+    """A config whose training source is a folder, not a file: the download job fails with a user error."""
+    local = write_text_corpus(workdir / "raw", (("train", 100), ("dev", 10), ("test", 10)))
+    (workdir / "raw" / "texts").mkdir()
+    local["train"]["src"] = str(workdir / "raw" / "texts")
+    (workdir / "broken.yaml").write_text(json.dumps({"data": {"source": "local", "local": local}}))
+    return "data.local.train.src: " + str(workdir / "raw" / "texts") + " is a directory"
+
+
+@pytest.mark.workflow
+def test_a_failing_jobs_error_message_is_printed_in_the_terminal(tmp_path):
+    """A plain `snakemake --cores N` (what `make demo` runs): the job's own message, not only "check the log"."""
+    workdir = copy_workflow(tmp_path)
+    message = broken_local_input(workdir)
+    result = snakemake(workdir, "--configfile", "broken.yaml")
+    terminal = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert terminal.count(message) == 1, terminal[-4000:]
+    assert "results/demo/logs/download.log:\nerror: " + message in terminal
+
+
+@pytest.mark.workflow
+def test_a_user_error_is_not_retried_under_the_local_profile(tmp_path):
+    """The profile retries failed jobs (retries: 2); Snakemake starts the job three times, but the stage runs
+    once: the retries see that attempt 1 ended with a user error and end at once. The message shows once."""
+    workdir = copy_workflow(tmp_path)
+    message = broken_local_input(workdir)
+    result = snakemake(workdir, "--profile", "workflow/profiles/local", "--configfile", "broken.yaml")
+    terminal = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert terminal.count("Trying to restart job") == 2, terminal[-4000:]
+    for attempt in (2, 3):
+        assert f"attempt {attempt} of this command not run: attempt 1 ended with a user error" in terminal
+    assert terminal.count(message) == 1, terminal[-4000:]
+    log = (workdir / "results/demo/logs/download.log").read_text()
+    assert log.count("error: ") == 1 and log.count("not run") == 2, log
+
+
+@pytest.mark.workflow
+def test_every_failing_job_of_a_keep_going_run_shows_its_message_at_the_end(demo_run, tmp_path):
+    """Both training jobs fail (an MLflow store that does not answer) while the run goes on: both messages."""
+    workdir = copy_workflow(tmp_path)
+    for stage in ("data", "bpe", "bin"):  # done already: only the training jobs run (and fail)
+        shutil.copytree(demo_run / "results" / "demo" / stage, workdir / "results" / "demo" / stage)
+    result = snakemake(workdir, "--keep-going", "--config", "tracking_uri=http://127.0.0.1:9")
+    terminal = result.stdout + result.stderr
+    assert result.returncode != 0
+    for model in ("demo_base", "demo_nopos"):
+        assert re.search(rf"logs/train/{model}/seed1\.log:\nerror: cannot use the MLflow tracking store", terminal), \
+            terminal[-4000:]
+    assert "rule download" not in terminal and "rule bpe" not in terminal

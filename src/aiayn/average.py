@@ -19,6 +19,7 @@ import torch
 
 from aiayn.checkpoint import CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, load_checkpoint, save_model
 from aiayn.errors import UserError, cli
+from aiayn.fileio import prepare_output
 
 def _steps_of(checkpoint: dict) -> list[int]:
     if checkpoint["format"] == CHECKPOINT_FORMAT:
@@ -138,6 +139,7 @@ def main(argv=None):
         raise UserError("--last K and --checkpoint-dir DIR go together; give both, or list checkpoint files instead")
     if args.last is not None and args.checkpoints:
         raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
+    prepare_output(args.output)  # before the work: a folder named as the output, say, is refused at once
     paths = last_checkpoints(args.checkpoint_dir, args.last) if args.last is not None else args.checkpoints
     if args.last is not None and len(paths) < args.last:
         print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "

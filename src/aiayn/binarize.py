@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -71,19 +72,32 @@ def encode_chunks(src_path: str | Path, tgt_path: str | Path, model_path: str | 
                 yield _encode_chunk(chunk)
                 progress.update(len(chunk[0]))
             return
-        # spawn, not fork: the parent may hold threads (torch, tqdm) that fork would copy mid-lock
+        # spawn, not fork: the parent may hold threads (torch, tqdm) that fork would copy mid-lock.
+        # A process pool from concurrent.futures, not multiprocessing.Pool: a worker that dies (killed,
+        # or failing in its initializer) breaks it and ends the stage, where Pool would start a new
+        # worker and wait forever for the lost chunk.
         context = multiprocessing.get_context("spawn")
-        with context.Pool(workers, initializer=_init_worker, initargs=(str(model_path),)) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                    initargs=(str(model_path),)) as pool:
             in_flight: collections.deque = collections.deque()
-            for chunk in _chunks(src_path, tgt_path):
-                in_flight.append((len(chunk[0]), pool.apply_async(_encode_chunk, (chunk,))))
-                while len(in_flight) >= 2 * workers or (in_flight and in_flight[0][1].ready()):
-                    size, result = in_flight.popleft()
-                    yield result.get()
+            try:
+                for chunk in _chunks(src_path, tgt_path):
+                    in_flight.append((len(chunk[0]), pool.submit(_encode_chunk, chunk)))
+                    while len(in_flight) >= 2 * workers or (in_flight and in_flight[0][1].done()):
+                        size, result = in_flight.popleft()
+                        yield result.result()
+                        progress.update(size)
+                for size, result in in_flight:
+                    yield result.result()
                     progress.update(size)
-            for size, result in in_flight:
-                yield result.get()
-                progress.update(size)
+            except concurrent.futures.process.BrokenProcessPool:
+                raise RuntimeError(
+                    f"a binarise worker process died (killed, out of memory?) while encoding {src_path}; "
+                    "rerun the stage, with fewer --workers if memory is short"
+                ) from None
+            finally:
+                for _, result in in_flight:  # an error in the parent: don't encode the rest first
+                    result.cancel()
 
 
 class NpyWriter:
@@ -142,15 +156,24 @@ def binarize_split(
     Streams: each chunk's kept ids are appended to the arrays' files as it comes back, in a
     temporary folder renamed onto ``out_dir`` only when every array is complete.
     """
+    if workers < 1:
+        raise UserError(f"--workers {workers} must be at least 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"binarize.max_tokens = {max_tokens} must be at least 1")
+    # the model first, in this process: workers that cannot load it would fail where no one sees
+    vocab_size = load_processor(model_path).get_piece_size()
     pairs, tgt_pairs = count_lines(src_path), count_lines(tgt_path)
     if pairs != tgt_pairs:
         raise UserError(f"{src_path} has {pairs} lines but {tgt_path} has {tgt_pairs}; they must be parallel")
     if not pairs:
         raise UserError(f"{src_path}: the {split} split is empty")
-    vocab_size = load_processor(model_path).get_piece_size()
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "meta.json").exists():
+        raise UserError(f"{out_dir} is a folder that holds something other than a binarised split; "
+                        "give a new folder for --out-dir (it is replaced as a whole)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, directory=True) as tmp:
         tmp.mkdir()
         with contextlib.ExitStack() as stack:
             arrays = {name: stack.enter_context(NpyWriter(tmp / f"{name}.npy", kind))
@@ -242,7 +265,8 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(prog="aiayn binarise", description=__doc__.splitlines()[0])
     add_config_arguments(parser, "binarize")
-    parser.add_argument("--split", required=True)
+    parser.add_argument("--split", required=True, choices=("train", "dev", "test"),
+                        help="train is filtered by binarize.max_tokens; dev and test keep every pair")
     parser.add_argument("--src", required=True)
     parser.add_argument("--tgt", required=True)
     parser.add_argument("--spm-model", required=True)
@@ -252,10 +276,19 @@ def main(argv=None):
     settings = section_from_arguments(args, "binarize")
     max_tokens = settings["max_tokens"] if args.split == "train" else None  # never drop evaluation sentences
     meta = binarize_split(args.split, args.src, args.tgt, args.spm_model, args.out_dir, max_tokens,
-                          args.workers or settings["workers"])
-    print(f"{args.split}: {meta['pairs_kept']}/{meta['pairs_in']} pairs kept "
-          f"({meta['dropped_too_long']} over {max_tokens} tokens, {meta['dropped_empty']} empty), "
-          f"{meta['src_tokens']} + {meta['tgt_tokens']} tokens, {meta['dtype']}")
+                          settings["workers"] if args.workers is None else args.workers)
+    print(f"{args.split}: {binarised_summary(meta)}")
+
+
+def binarised_summary(meta: dict) -> str:
+    """What the log says of a split: what was kept, and why the rest was dropped (train) or that
+    nothing was (evaluation splits, which keep every pair)."""
+    if meta["max_tokens"] is None:
+        kept = f"all {meta['pairs_in']} pairs kept (an evaluation split: none is dropped)"
+    else:
+        kept = (f"{meta['pairs_kept']}/{meta['pairs_in']} pairs kept ({meta['dropped_too_long']} over "
+                f"{meta['max_tokens']} tokens, {meta['dropped_empty']} with an empty side dropped)")
+    return f"{kept}, {meta['src_tokens']} + {meta['tgt_tokens']} tokens, {meta['dtype']}"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, fingerprint_files, write_json_atomic
+from aiayn.fileio import (
+    GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, write_json_atomic,
+)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -32,9 +34,10 @@ def learn_bpe(
     import sentencepiece as spm
 
     out_dir = Path(out_dir)
-    for path in train_files:
-        if not Path(path).exists():
-            raise UserError(f"{path}: training text not found (run the download stage first)")
+    check_training_text(train_files)
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads {threads} must be at least 1")
+    prepare_output(out_dir, directory=True)
     spm.set_random_generator_seed(seed)
     with tempfile.TemporaryDirectory(prefix="aiayn-bpe-") as tmp:
         prefix = os.path.join(tmp, "spm")
@@ -84,6 +87,22 @@ def learn_bpe(
     return info
 
 
+def check_training_text(train_files: list[str | Path]) -> None:
+    """Every file UTF-8 text with at least one line, checked whole before SentencePiece reads it: it
+    fails on a directory or an empty file with a traceback, and takes bytes that are not UTF-8 silently."""
+    for path in train_files:
+        if not Path(path).exists():
+            raise UserError(f"{path}: training text not found (run the download stage first)")
+        with open(check_input_path(path), "rb") as handle:
+            if handle.read(2) == GZIP_MAGIC:  # SentencePiece reads plain files only
+                raise UserError(f"{path}: gzip-compressed; the bpe stage reads plain text: gunzip -k {path}")
+        if not count_lines(path):  # and every check of aiayn.fileio: encodings, line endings
+            raise UserError(
+                f"{path} is empty: there is no text to learn a vocabulary from (a shared vocabulary needs both "
+                "sides of the training data; check the download stage's output and its log)"
+            )
+
+
 def vocab_fingerprint(model_path: str | Path) -> str:
     """A short hash of the vocabulary itself (pieces and scores, in id order).
 
@@ -100,11 +119,23 @@ def vocab_fingerprint(model_path: str | Path) -> str:
 
 
 def load_processor(model_path: str | Path):
+    """The SentencePiece processor of ``model_path``; anything but a model file is a UserError."""
     import sentencepiece as spm
 
-    if not Path(model_path).exists():
+    model_path = Path(model_path)
+    if model_path.is_dir():
+        hint = f" (did you mean {model_path / 'spm.model'}?)" if (model_path / "spm.model").is_file() else ""
+        raise UserError(f"{model_path} is a directory, but a SentencePiece model file is expected{hint}")
+    if not model_path.exists():
         raise UserError(f"{model_path}: SentencePiece model not found (run the bpe stage first)")
-    return spm.SentencePieceProcessor(model_file=str(model_path))
+    try:
+        return spm.SentencePieceProcessor(model_file=str(model_path))
+    except (RuntimeError, OSError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        hint = " (that is the vocabulary listing; give spm.model beside it)" if model_path.suffix == ".vocab" else ""
+        raise UserError(
+            f"{model_path}: not a SentencePiece model ({reason}){hint}; give the spm.model written by the bpe stage"
+        ) from None
 
 
 @cli

@@ -31,6 +31,9 @@ _CHECKPOINT_NAME = re.compile(r"(step|safety)_(\d+)\.pt")
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """Load an aiayn checkpoint or model file on the CPU, refusing anything else with a UserError."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a directory, but a checkpoint or model file is expected (for the last K "
+                        f"checkpoints of a run use --last K --checkpoint-dir {path})")
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file (check the path or the checkpoint directory)")
     try:
@@ -128,6 +131,9 @@ def last_checkpoints(checkpoint_dir: str | os.PathLike, k: int) -> list[Path]:
     checkpoint_dir = Path(checkpoint_dir)
     if k < 1:
         raise UserError(f"cannot average the last {k} checkpoints; K must be at least 1")
+    if checkpoint_dir.is_file():
+        raise UserError(f"{checkpoint_dir} is a file, but --checkpoint-dir names the folder of a run's step_*.pt "
+                        "(or list checkpoint files without --last)")
     if not checkpoint_dir.is_dir():
         raise UserError(f"{checkpoint_dir}: no such checkpoint directory (has training started?)")
     found = list_checkpoints(checkpoint_dir)

@@ -12,8 +12,10 @@ import argparse
 import glob
 import itertools
 import os
+import re
 import shutil
 import socket
+import sys
 import tempfile
 import urllib.parse
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import count_lines, iter_lines, write_json_atomic
+from aiayn.fileio import count_lines, iter_lines, prepare_output, temporary_prefix, write_json_atomic
 
 SPLITS = ("train", "dev", "test")
 BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
@@ -35,12 +37,27 @@ class SplitStats:
     dropped_long: int = 0
     dropped_ratio: int | None = None  # only counted (and recorded) when data.max_length_ratio is set
     newlines_replaced: int = 0
+    # accepted, but counted and warned about (``warnings``)
+    whitespace_trimmed: int = 0   # pairs with whitespace around a side, removed
+    moses_escaped: int = 0        # pairs that look tokenized or Moses-escaped (&apos; &quot; @-@)
+    identical_sides: int = 0      # pairs whose source and target text are the same
+    empty_side_kept: int = 0      # dev/test pairs with an empty side (train drops them: dropped_empty)
     src_words: int = 0
     tgt_words: int = 0
     origin: list[str] = field(default_factory=list)
+    first_pair: dict[str, int] = field(default_factory=dict)  # the first pair of each count above, 1-based
 
     def as_json(self) -> dict:
-        return {key: value for key, value in vars(self).items() if value is not None}
+        return {key: value for key, value in vars(self).items() if value is not None and key != "first_pair"}
+
+    def count(self, what: str, pair: int) -> None:
+        setattr(self, what, getattr(self, what) + 1)
+        self.first_pair.setdefault(what, pair)
+
+
+# What Moses' tokenizer leaves in text: its XML escapes and its split hyphens, commas and points.
+# (&amp;, &lt; and &gt; are left out: raw web text has them too.)
+MOSES_MARKS = re.compile(r"&(?:apos|quot|#124|#91|#93);| @[-,.]@ ")
 
 
 @dataclass
@@ -62,16 +79,26 @@ def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | Non
     the other are dropped and counted; evaluation splits keep every pair, since dropping test
     sentences would change what BLEU is computed on.
     """
+    first = stats.pairs_read + 1
     stats.pairs_read += len(src)
     kept_src: list[str] = []
     kept_tgt: list[str] = []
-    for source, target in zip(src, tgt):
+    for pair, (source, target) in enumerate(zip(src, tgt), start=first):
         if "\n" in source or "\r" in source or "\n" in target or "\r" in target:
             stats.newlines_replaced += 1
             source = " ".join(source.splitlines())
             target = " ".join(target.splitlines())
-        source, target = source.strip(), target.strip()
+        stripped_source, stripped_target = source.strip(), target.strip()
+        if (stripped_source, stripped_target) != (source, target):
+            stats.count("whitespace_trimmed", pair)
+        source, target = stripped_source, stripped_target
+        if MOSES_MARKS.search(source) or MOSES_MARKS.search(target):
+            stats.count("moses_escaped", pair)
+        if source == target:
+            stats.count("identical_sides", pair)
         src_words, tgt_words = len(source.split()), len(target.split())
+        if split != "train" and (not source or not target):
+            stats.count("empty_side_kept", pair)
         if split == "train":
             if not source or not target:
                 stats.dropped_empty += 1
@@ -164,6 +191,10 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
         files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not files or not all(os.path.exists(f) for f in files):
             raise UserError(f"data.local.{split}.parquet: no file matches {spec['parquet']!r} (check the path)")
+        for path in files:
+            if os.path.isdir(path):
+                raise UserError(f"data.local.{split}.parquet: {path} is a directory; give its files, "
+                                f"e.g. {os.path.join(path, '*.parquet')}")
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -191,7 +222,13 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
     if "src" not in spec or "tgt" not in spec:
         raise UserError(f"data.local.{split}: needs both src and tgt (or parquet)")
     src_path, tgt_path = os.path.expanduser(spec["src"]), os.path.expanduser(spec["tgt"])
-    src_lines, tgt_lines = count_lines(src_path), count_lines(tgt_path)
+    counts = []
+    for side, path in (("src", src_path), ("tgt", tgt_path)):
+        try:
+            counts.append(count_lines(path))  # and every check of aiayn.fileio: directories, encodings, ...
+        except UserError as error:
+            raise UserError(f"data.local.{split}.{side}: {error}") from None
+    src_lines, tgt_lines = counts
     if src_lines != tgt_lines:
         raise UserError(
             f"{src_path} has {src_lines} lines but {tgt_path} has {tgt_lines}: source and target files of a "
@@ -280,10 +317,10 @@ def download(data: dict, out_dir: str | Path) -> dict:
     else:
         sources = {split: open_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
     max_length_ratio = data.get("max_length_ratio")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+    prepare_output(out_dir, directory=True)
+    tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(out_dir), dir=out_dir.parent))
     try:
-        all_stats = {}
+        all_stats, split_stats = {}, {}
         for split, source in sources.items():
             stats = SplitStats(origin=source.origin, dropped_ratio=0 if max_length_ratio is not None else None)
             with open(tmp / f"{split}.{src_lang}", "w", encoding="utf-8", newline="\n") as src_file, \
@@ -302,7 +339,11 @@ def download(data: dict, out_dir: str | Path) -> dict:
                     f"{stats.dropped_empty} empty and {stats.dropped_long} over data.max_chars{ratio} were dropped)"
                 )
             all_stats[split] = stats.as_json()
+            split_stats[split] = stats
         summary = {"source": data["source"], "src_lang": src_lang, "tgt_lang": tgt_lang, "splits": all_stats}
+        notes = warnings(split_stats)
+        if notes:
+            summary["warnings"] = notes
         write_json_atomic(tmp / "stats.json", summary)
         out_dir.mkdir(exist_ok=True)
         for split in SPLITS:
@@ -311,7 +352,47 @@ def download(data: dict, out_dir: str | Path) -> dict:
         os.replace(tmp / "stats.json", out_dir / "stats.json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for note in summary.get("warnings", []):
+        print(f"warning: {note}", file=sys.stderr)
     return summary
+
+
+def warnings(stats: dict[str, SplitStats]) -> list[str]:
+    """One sentence for each kind of pair that was accepted but looks wrong, with counts per split and
+    the first one (by its pair number in the split's source); stats.json keeps the counts."""
+    def where(what: str) -> str:
+        counts = ", ".join(f"{split} {getattr(s, what)}" for split, s in stats.items() if getattr(s, what))
+        split, first = next((split, s) for split, s in stats.items() if getattr(s, what))
+        return f"{counts}; the first is pair {first.first_pair[what]} of {split}, {', '.join(first.origin)}"
+
+    def total(what: str) -> int:
+        return sum(getattr(s, what) for s in stats.values())
+
+    notes = []
+    if total("moses_escaped"):
+        notes.append(
+            f"{total('moses_escaped')} pairs look tokenized or Moses-escaped (&apos; &quot; @-@; "
+            f"{where('moses_escaped')}): the paper's BLEU is computed on raw text, so a tokenized corpus needs "
+            "detokenizing first (sacremoses detokenize); the count is moses_escaped in stats.json"
+        )
+    for split, s in stats.items():
+        if s.pairs_read and s.identical_sides == s.pairs_read:
+            notes.append(
+                f"every pair of the {split} split has the same source and target text ({', '.join(s.origin)}): "
+                "the same file given for both languages? (identical_sides in stats.json)"
+            )
+    if total("empty_side_kept"):
+        notes.append(
+            f"{total('empty_side_kept')} dev/test pairs have an empty side ({where('empty_side_kept')}); they are "
+            "kept, since dropping evaluation sentences would change what BLEU is computed on, but check that source "
+            "and target files are aligned (empty_side_kept in stats.json)"
+        )
+    if total("whitespace_trimmed"):
+        notes.append(
+            f"{total('whitespace_trimmed')} pairs had whitespace around a side, which was trimmed "
+            f"({where('whitespace_trimmed')}; whitespace_trimmed in stats.json)"
+        )
+    return notes
 
 
 @cli

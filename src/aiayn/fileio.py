@@ -4,35 +4,325 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import gzip
 import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from aiayn.errors import UserError
 
+BLOCK = 1 << 18
+GZIP_MAGIC = b"\x1f\x8b"
+# What a file that is not UTF-8 text most often is, told by its first bytes, and what to do about it.
+# Longer marks first: a UTF-32 little-endian mark begins with UTF-16's.
+_NOT_TEXT = (
+    (b"\xff\xfe\x00\x00", "UTF-32 text (its first bytes are the byte-order mark FF FE 00 00)",
+     "re-encode it as UTF-8: iconv -f UTF-32 -t UTF-8 {path} > {path}.utf8"),
+    (b"\x00\x00\xfe\xff", "UTF-32 text (its first bytes are the byte-order mark 00 00 FE FF)",
+     "re-encode it as UTF-8: iconv -f UTF-32 -t UTF-8 {path} > {path}.utf8"),
+    (b"\xff\xfe", "UTF-16 text (its first bytes are the byte-order mark FF FE)",
+     "re-encode it as UTF-8: iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8"),
+    (b"\xfe\xff", "UTF-16 text (its first bytes are the byte-order mark FE FF)",
+     "re-encode it as UTF-8: iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dk {path}"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -d {path}"),
+    (b"PK\x03\x04", "a zip archive", "unpack it first: unzip {path}"),
+    (b"PAR1", "a Parquet file", "give Parquet files as data.local.<split>.parquet, not as src/tgt text"),
+)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+def check_input_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path if it names an existing file, else a UserError that says what it is instead."""
+    path = Path(path)
+    if path.is_dir():
+        inside = sorted(itertools.islice((entry.name for entry in path.iterdir() if not entry.name.startswith(".")),
+                                         100))[:4]
+        holds = f" (it holds {', '.join(inside)}{', ...' if len(inside) == 4 else ''})" if inside else " (empty)"
+        raise UserError(f"{path} is a directory{holds}, but a file is expected here; give the file itself")
+    if not path.exists():
+        raise UserError(f"{path}: no such file (check the path in your config or on the command line)")
+    return path
+
+
+def _not_text(path: Path, head: bytes, tail: bytes) -> str | None:
+    """Why a file whose first bytes are ``head`` (last bytes ``tail``) is not UTF-8 text, or None."""
+    if head.startswith(b"BZh") and head[4:10] == b"1AY&SY":
+        return f"{path}: bzip2-compressed, not UTF-8 text; decompress it first: bunzip2 -k {path}"
+    for magic, what, fix in _NOT_TEXT:
+        if head.startswith(magic) and (magic != b"PAR1" or tail == b"PAR1"):
+            return f"{path}: {what}, not UTF-8 text; {fix.format(path=path)}"
+    if b"\x00" in head:
+        return (f"{path}: contains NUL bytes, so it is not UTF-8 text (UTF-16 without a byte-order mark, or not "
+                f"text at all); re-encode text as UTF-8 (iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8)")
+    return None
+
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def open_text_bytes(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """The bytes of a text file, checked to be text: gzip is read through, other formats are refused.
+
+    A directory, a missing path, UTF-16/UTF-32 (by their byte-order marks), NUL bytes and
+    other compressed or binary formats (by their magic bytes) are UserErrors that say what the
+    file is and how to make it UTF-8 text.
+    """
+    path = check_input_path(path)
+    try:
+        raw = open(path, "rb")
+    except PermissionError:
+        raise UserError(f"{path}: permission denied (make it readable: chmod u+r {path})") from None
+    with raw:
+        handle: BinaryIO = raw
+        if raw.read(2) == GZIP_MAGIC:
+            raw.seek(0)
+            handle = gzip.GzipFile(fileobj=raw, mode="rb")
+        else:
+            raw.seek(0)
+        try:
+            head = handle.peek(64)[:64]
+        except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+            raise UserError(f"{path}: a damaged gzip file ({error}); check it with gzip -t {path}") from None
+        tail = b""
+        if head.startswith(b"PAR1") and handle is raw:
+            raw.seek(-4, os.SEEK_END)
+            tail = raw.read(4)
+            raw.seek(0)
+        reason = _not_text(path, head, tail)
+        if reason:
+            raise UserError(reason)
+        try:
+            yield handle
+        except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+            if handle is raw:
+                raise
+            raise UserError(f"{path}: a damaged gzip file ({error}); check it with gzip -t {path}") from None
+
+
+def _not_utf8(path: Path, line_number: int, bad: bytes) -> UserError:
+    return UserError(
+        f"{path}, line {line_number}: bytes that are not UTF-8 ({bad!r}); "
+        "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+    )
+
+
+def _cr_only(path: Path, carriage_returns: int) -> UserError:
+    return UserError(
+        f"{path}: its lines end in a carriage return alone (old Mac line endings: {carriage_returns} CR, no LF), "
+        f"so the whole file reads as one line; convert them to newlines: tr '\\r' '\\n' < {path} > {path}.unix"
+    )
+
+
+def _check_line_endings(path: Path, text_without_newlines: bytes | str) -> None:
+    """A file without any newline but with carriage returns inside it uses CR alone as line ending."""
+    cr = b"\r" if isinstance(text_without_newlines, bytes) else "\r"
+    body = text_without_newlines[:-1] if text_without_newlines.endswith(cr) else text_without_newlines
+    if cr in body:
+        raise _cr_only(path, text_without_newlines.count(cr))
+
+
+def read_lines(path: str | os.PathLike) -> list[str]:
+    """Read a UTF-8 text file as lines split on ``\\n`` only.
+
+    Segments may legitimately contain other Unicode separators (U+2028, U+0085)
+    that ``str.splitlines`` would split on, so we never use it. A trailing
+    newline does not make an extra empty line; a leading byte-order mark is
+    dropped; a gzip file is read through. Bytes that are not UTF-8 raise a
+    UserError naming file and line; so do CR-only line endings and files that
+    are not text (``open_text_bytes``).
+    """
+    path = Path(path)
+    with open_text_bytes(path) as handle:
+        raw = handle.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise _not_utf8(path, raw.count(b"\n", 0, error.start) + 1, raw[error.start:error.start + 4]) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if "\n" not in text:
+        _check_line_endings(path, text)
+    if text.endswith("\n"):
+        text = text[:-1]
+    if not text:
+        return []
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
+def iter_lines(path: str | os.PathLike) -> Iterator[str]:
+    """The lines of ``read_lines``, with its checks, one at a time: memory flat in the file's size."""
+    path = Path(path)
+    with open_text_bytes(path) as handle:  # binary lines split on b"\n" only, as read_lines splits
+        first = next(handle, b"").removeprefix(codecs.BOM_UTF8)
+        if not first.endswith(b"\n"):
+            _check_line_endings(path, first)
+        if first == b"\n" and (second := next(handle, None)) is not None:
+            yield ""
+            first = second
+            start = 2
+        elif first in (b"", b"\n"):  # a lone newline is an empty file, as for read_lines
+            return
+        else:
+            start = 1
+        for number, raw in enumerate(itertools.chain([first], handle), start=start):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise _not_utf8(path, number, raw[error.start:error.start + 4]) from None
+            if line.endswith("\n"):
+                line = line[:-1]
+            yield line[:-1] if line.endswith("\r") else line
+
+
+def count_lines(path: str | os.PathLike) -> int:
+    """How many lines ``read_lines`` would return, with all of its checks, in blocks (constant memory).
+
+    The whole file is decoded on the way (C speed, about a second per GB), so that a bad byte
+    anywhere is found before a stage writes anything.
+    """
+    path = Path(path)
+    newlines, carriage_returns, size, head, last = 0, 0, 0, b"", b""
+    carry = b""  # the start of a character cut by the block boundary
+    with open_text_bytes(path) as handle:
+        for block in iter(lambda: handle.read(BLOCK), b""):
+            head = head or block[:3]
+            data = carry + block
+            try:
+                data.decode("utf-8")
+                carry = b""
+            except UnicodeDecodeError as error:
+                if error.reason == "unexpected end of data" and error.end == len(data):
+                    carry = data[error.start:]  # everything before it decoded
+                else:
+                    raise _not_utf8(path, newlines + data.count(b"\n", 0, error.start) + 1,
+                                    data[error.start:error.start + 4]) from None
+            newlines += block.count(b"\n")
+            carriage_returns += block.count(b"\r")
+            size += len(block)
+            last = block[-1:]
+    if carry:
+        raise _not_utf8(path, newlines + 1, carry[:4])
+    if newlines == 0 and carriage_returns > (last == b"\r"):
+        raise _cr_only(path, carriage_returns)
+    body = size - (3 if head == codecs.BOM_UTF8 else 0)
+    if body == 0 or (body == 1 and last == b"\n"):
+        return 0
+    return newlines + (last != b"\n")
+
+
+def fingerprint_files(*paths: str | os.PathLike) -> str:
+    """A short sha256 over the contents of the given files, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(BLOCK), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+# --- writing ---------------------------------------------------------------------------------
+# A temporary is named for its output, its process and its host: `.tmp-<output name>-<pid>@<host>-<random>`,
+# so that a later writer of the same output can tell a stale one (its process gone) from a live one.
+
+_HOST = socket.gethostname()
+_TEMPORARY = re.compile(r"(\d+)@(.+)-[a-z0-9_]+")  # what follows `.tmp-<output name>-`
+
+
+def temporary_prefix(target: str | os.PathLike) -> str:
+    return f".tmp-{Path(target).name}-{os.getpid()}@{_HOST}-"
+
+
+def _process_is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def remove_stale_temporaries(target: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries of ``target`` left by writers on this host that no longer run (killed jobs).
+
+    Only ``target``'s own temporaries, and only those whose process is gone: a live writer of the
+    same output, or one on another host (a shared file system), is left alone.
+    """
+    target = Path(target)
+    return _remove_stale(target.parent, f".tmp-{target.name}-", _TEMPORARY)
+
+
+def remove_stale_temporaries_in(folder: str | os.PathLike) -> list[Path]:
+    """``remove_stale_temporaries`` for every output in ``folder`` (for a stage that holds the whole folder)."""
+    return _remove_stale(Path(folder), ".tmp-", re.compile(r".+-" + _TEMPORARY.pattern))
+
+
+def _remove_stale(folder: Path, prefix: str, pattern: re.Pattern) -> list[Path]:
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        if not entry.name.startswith(prefix):
+            continue
+        match = pattern.fullmatch(entry.name[len(prefix):])
+        if not match or match.group(2) != _HOST or not _process_is_gone(int(match.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def prepare_output(target: str | os.PathLike, directory: bool = False) -> Path:
+    """Check that ``target`` can be written (its folder made, a file not replacing a folder) and
+    remove its stale temporaries; a UserError names what is in the way."""
+    target = Path(target)
+    if not directory and target.is_dir():
+        raise UserError(f"{target} is a directory; give the name of the file to write (e.g. {target}/<name>)")
+    if directory and target.exists() and not target.is_dir():
+        raise UserError(f"{target} is a file, but an output folder is expected here; give another path")
+    for parent in [target.parent, *target.parent.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"cannot write {target}: {parent} is a file, not a folder")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        raise UserError(f"cannot write {target}: permission denied creating its folder") from None
+    if not os.access(target.parent, os.W_OK):
+        raise UserError(f"cannot write {target}: its folder {target.parent} is not writable")
+    remove_stale_temporaries(target)
+    return target
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only on success.
 
-    Works for files and directories. An interrupted job leaves only a hidden
-    ``.tmp-*`` name behind, never a file that looks complete.
+    For a file, or with ``directory`` a folder (which replaces an existing folder of that name;
+    a file never replaces a folder). An interrupted job leaves only a hidden ``.tmp-*`` name
+    behind, never a file that looks complete, and the next writer of the same output removes it.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{target.name}-", dir=target.parent)
+    target = prepare_output(path, directory)
+    fd, tmp_name = tempfile.mkstemp(prefix=temporary_prefix(target), dir=target.parent)
     os.close(fd)
     os.unlink(tmp_name)
     tmp = Path(tmp_name)
     try:
         yield tmp
-        if target.is_dir() and not target.is_symlink():
+        if directory and target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
+        elif target.is_dir():  # made while we wrote: still never replace a folder by a file
+            raise UserError(f"{target} is a directory; give the name of the file to write")
         os.replace(tmp, target)
     finally:
         if tmp.is_dir():
@@ -56,88 +346,3 @@ def write_lines_atomic(path: str | os.PathLike, lines: Iterator[str] | list[str]
             for line in lines:
                 handle.write(line)
                 handle.write("\n")
-
-
-def read_lines(path: str | os.PathLike) -> list[str]:
-    """Read a UTF-8 text file as lines split on ``\\n`` only.
-
-    Segments may legitimately contain other Unicode separators (U+2028, U+0085)
-    that ``str.splitlines`` would split on, so we never use it. A trailing
-    newline does not make an extra empty line; a leading byte-order mark is
-    dropped. Bytes that are not UTF-8 raise a UserError naming file and line.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such file (check the path in your config)")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line_number = raw.count(b"\n", 0, error.start) + 1
-        raise UserError(
-            f"{path}, line {line_number}: bytes that are not UTF-8 ({raw[error.start:error.start + 4]!r}); "
-            "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
-        ) from None
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if text.endswith("\n"):
-        text = text[:-1]
-    if not text:
-        return []
-    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
-
-
-def iter_lines(path: str | os.PathLike) -> Iterator[str]:
-    """The lines of ``read_lines``, with its checks, one at a time: memory flat in the file's size."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such file (check the path in your config)")
-    with open(path, "rb") as handle:  # binary lines split on b"\n" only, as read_lines splits
-        first = next(handle, b"").removeprefix(codecs.BOM_UTF8)
-        if first == b"\n" and (second := next(handle, None)) is not None:
-            yield ""
-            first = second
-            start = 2
-        elif first in (b"", b"\n"):  # a lone newline is an empty file, as for read_lines
-            return
-        else:
-            start = 1
-        for number, raw in enumerate(itertools.chain([first], handle), start=start):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise UserError(
-                    f"{path}, line {number}: bytes that are not UTF-8 ({raw[error.start:error.start + 4]!r}); "
-                    "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
-                ) from None
-            if line.endswith("\n"):
-                line = line[:-1]
-            yield line[:-1] if line.endswith("\r") else line
-
-
-def count_lines(path: str | os.PathLike) -> int:
-    """How many lines ``read_lines`` would return, counted in blocks (no decoding, constant memory)."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such file (check the path in your config)")
-    newlines, size, head, last = 0, 0, b"", b""
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 18), b""):
-            head = head or block[:3]
-            newlines += block.count(b"\n")
-            size += len(block)
-            last = block[-1:]
-    body = size - (3 if head == codecs.BOM_UTF8 else 0)
-    if body == 0 or (body == 1 and last == b"\n"):
-        return 0
-    return newlines + (last != b"\n")
-
-
-def fingerprint_files(*paths: str | os.PathLike) -> str:
-    """A short sha256 over the contents of the given files, in order."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 18), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]

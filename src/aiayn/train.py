@@ -31,7 +31,7 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, 
                               list_checkpoints, load_checkpoint, save_model)
 from aiayn.config import check_resolved_preset, check_section
 from aiayn.errors import UserError, cli
-from aiayn.fileio import write_json_atomic
+from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
 from aiayn.model import ModelConfig, Transformer
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; Snakemake's --retries (or a SLURM requeue) resumes
@@ -740,6 +740,8 @@ def hold_run_lock(run_dir: Path):
     """
     import fcntl
 
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir} is a file, but a run folder is expected; give another path")
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / ".lock", "a+", encoding="utf-8")
     try:
@@ -754,6 +756,9 @@ def hold_run_lock(run_dir: Path):
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
     handle.flush()
+    # the folder is ours now: what a killed trainer was writing (.tmp-*) goes
+    for folder in (run_dir, run_dir / "checkpoints"):
+        remove_stale_temporaries_in(folder)
     return handle  # the lock lasts while this stays open
 
 

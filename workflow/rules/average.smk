@@ -13,6 +13,8 @@ rule average:
     resources:
         mem_mb=16000,
         runtime=30,
+        attempt=attempt_number,
     shell:
-        "aiayn average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output} "
-        "--log-to-run {input} --tracking-uri {params.tracking_uri:q} > {log} 2>&1"
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output} "
+        "--log-to-run {input} --tracking-uri {params.tracking_uri:q}"

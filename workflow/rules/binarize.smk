@@ -15,6 +15,8 @@ rule binarize:
         # measurements in BENCHMARKS.md ("Data stages at WMT scale"): EN-FR's train split fits on one process
         mem_mb=lambda wildcards, threads: 1000 + 250 * threads,
         runtime=180,
+        attempt=attempt_number,
     shell:
-        "aiayn binarise --binarize-json {params.binarize:q} --split {wildcards.split} --workers {threads} "
-        "--src {input.src} --tgt {input.tgt} --spm-model {input.spm_model} --out-dir {output} > {log} 2>&1"
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "binarise --binarize-json {params.binarize:q} --split {wildcards.split} --workers {threads} "
+        "--src {input.src} --tgt {input.tgt} --spm-model {input.spm_model} --out-dir {output}"

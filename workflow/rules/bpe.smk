@@ -15,5 +15,7 @@ rule bpe:
     resources:
         mem_mb=32000,
         runtime=240,
+        attempt=attempt_number,
     shell:
-        "aiayn bpe --bpe-json {params.bpe:q} --threads {threads} --out-dir {params.out_dir} {input} > {log} 2>&1"
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "bpe --bpe-json {params.bpe:q} --threads {threads} --out-dir {params.out_dir} {input}"

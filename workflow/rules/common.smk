@@ -6,6 +6,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from aiayn.config import check_config, resolve_preset, to_json
 from aiayn.errors import UserError
+from aiayn.joblog import print_job_messages, snapshot_logs
 
 
 def config_sources():
@@ -35,6 +36,8 @@ SRC = config["data"]["src_lang"]
 TGT = config["data"]["tgt_lang"]
 SPLITS = ["train", "dev", "test"]
 PRESETS = {name: resolve_preset(config, name) for name in config["models"]}
+# The logs as they were before any job ran: what changed was written by this run's jobs.
+LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
 
 
 wildcard_constraints:
@@ -72,6 +75,19 @@ def decode_model(wildcards):
     """The paper's protocol: Table 3 (dev) without averaging, Table 2 (test) with it."""
     made_by = rules.train.output.model if wildcards.split == "dev" else rules.average.output.model
     return for_run(made_by, wildcards)
+
+
+def attempt_number(wildcards, attempt):
+    """Snakemake's attempt of a job (1, then 2, ... on retries), as a resource so that a rule's shell
+    command can pass it on: `aiayn --log {log} --attempt {resources.attempt} <stage> ...` does not run a
+    retry of a command whose last attempt ended with a user error (aiayn/joblog.py)."""
+    return attempt
+
+
+def show_job_messages(failed):
+    """At the end of a run, every error and warning paragraph of the logs this run's jobs wrote, once
+    each: a SLURM job's output never reaches this terminal, and a local job's is in its log."""
+    print_job_messages(f"{RESULTS}/logs", LOGS_AT_START, failed)
 
 
 def preset(wildcards):

@@ -13,5 +13,7 @@ rule download:
         # at WMT scale"), with room for the hub's download
         mem_mb=16000 if config["data"]["source"] == "hub" else 4000,
         runtime=120,
+        attempt=attempt_number,
     shell:
-        "aiayn download --data-json {params.data:q} --out-dir {params.out_dir} > {log} 2>&1"
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "download --data-json {params.data:q} --out-dir {params.out_dir}"

@@ -14,6 +14,8 @@ rule decode:
         gpu=lambda w: min(1, preset(w)["gpus"]),
         mem_mb=16000,
         runtime=60,
+        attempt=attempt_number,
     shell:
-        "aiayn decode --decode-json {params.decode:q} --model {input.model} --spm-model {input.spm_model} "
-        "--input {input.source} --output {output} --threads {threads} > {log} 2>&1"
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "decode --decode-json {params.decode:q} --model {input.model} --spm-model {input.spm_model} "
+        "--input {input.source} --output {output} --threads {threads}"

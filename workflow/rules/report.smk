@@ -43,9 +43,11 @@ rule report:
     resources:
         mem_mb=4000,
         runtime=20,
+        attempt=attempt_number,
     shell:
-        "aiayn report --presets-json {params.presets:q} --out-dir {params.out_dir} --base {params.base} "
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "report --presets-json {params.presets:q} --out-dir {params.out_dir} --base {params.base} "
         "--runs {input.runs} --dev-scores {input.dev_scores} --test-scores {input.test_scores} "
         "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
-        "--tracking-uri {params.tracking_uri:q} > {log} 2>&1"
+        "--tracking-uri {params.tracking_uri:q}"

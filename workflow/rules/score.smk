@@ -13,6 +13,8 @@ rule score:
     resources:
         mem_mb=4000,
         runtime=20,
+        attempt=attempt_number,
     shell:
-        "aiayn score --hyp {input.hyp} --ref {input.ref} --lang {params.lang} --output {output} "
-        "--log-to-run {input.run} --split {wildcards.split} --tracking-uri {params.tracking_uri:q} > {log} 2>&1"
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "score --hyp {input.hyp} --ref {input.ref} --lang {params.lang} --output {output} "
+        "--log-to-run {input.run} --split {wildcards.split} --tracking-uri {params.tracking_uri:q}"

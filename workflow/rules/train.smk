@@ -20,8 +20,10 @@ rule train:
         cpus_per_gpu=8,
         mem_mb=64000,
         runtime=lambda w: preset(w)["runtime_minutes"],
+        attempt=attempt_number,
     shell:
-        "exec aiayn train --preset-json {params.preset:q} --train-json {params.train:q} --seed {wildcards.seed} "
+        "exec aiayn --log {log} --attempt {resources.attempt} "
+        "train --preset-json {params.preset:q} --train-json {params.train:q} --seed {wildcards.seed} "
         "--train-data {input.train} --dev-data {input.dev} --spm-model {input.spm_model} "
         "--run-dir {params.run_dir} --experiment {params.experiment} --tracking-uri {params.tracking_uri:q} "
-        "--threads {threads} > {log} 2>&1"
+        "--threads {threads}"

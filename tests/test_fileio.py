@@ -1,0 +1,110 @@
+"""Atomic writes and their temporaries; reading text that is compressed or not text at all."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from aiayn.errors import UserError
+from aiayn.fileio import (
+    atomic_path, count_lines, iter_lines, read_lines, remove_stale_temporaries_in, write_text_atomic,
+)
+
+HOST = socket.gethostname()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (a killed writer's)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_writer_removes_the_stale_temporaries_of_its_own_output_only(tmp_path):
+    """A killed job leaves `.tmp-<output>-<pid>@<host>-*`; the next writer of that output removes it,
+    but not a live writer's, one from another host, or another output's."""
+    stale = tmp_path / f".tmp-table2.csv-{dead_pid()}@{HOST}-abc123"
+    stale_folder = tmp_path / f".tmp-table2.csv-{dead_pid()}@{HOST}-def456"
+    (stale_folder / "inner").mkdir(parents=True)
+    live = tmp_path / f".tmp-table2.csv-{os.getpid()}@{HOST}-ghi789"
+    elsewhere = tmp_path / f".tmp-table2.csv-{dead_pid()}@another-host-jkl012"
+    other_output = tmp_path / f".tmp-table3.csv-{dead_pid()}@{HOST}-mno345"
+    for path in (stale, live, elsewhere, other_output):
+        path.write_text("partial")
+    write_text_atomic(tmp_path / "table2.csv", "a,b\n")
+    assert not stale.exists() and not stale_folder.exists()
+    assert live.exists() and elsewhere.exists() and other_output.exists()
+    assert (tmp_path / "table2.csv").read_text() == "a,b\n"
+
+
+def test_a_stage_that_holds_a_folder_removes_every_stale_temporary_in_it(tmp_path):
+    stale = [tmp_path / f".tmp-step_00000005.pt-{dead_pid()}@{HOST}-a1",
+             tmp_path / f".tmp-safety_7.pt-{dead_pid()}@{HOST}-b2"]
+    kept = [tmp_path / f".tmp-step_00000010.pt-{os.getpid()}@{HOST}-c3", tmp_path / ".tmp-old-style-name"]
+    for path in stale + kept:
+        path.write_text("partial")
+    assert sorted(remove_stale_temporaries_in(tmp_path)) == sorted(stale)
+    assert all(path.exists() for path in kept)
+
+
+def test_a_temporary_is_named_for_its_output_process_and_host(tmp_path):
+    with atomic_path(tmp_path / "model.pt") as tmp:
+        assert tmp.name.startswith(f".tmp-model.pt-{os.getpid()}@{HOST}-")
+        tmp.write_bytes(b"weights")
+    assert (tmp_path / "model.pt").read_bytes() == b"weights"
+
+
+def test_a_file_never_replaces_a_folder(tmp_path):
+    (tmp_path / "out" / "keep.txt").parent.mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="out is a directory"):
+        write_text_atomic(tmp_path / "out", "text")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+def test_a_folder_replaces_a_folder_when_asked(tmp_path):
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "old.npy").write_text("old")
+    with atomic_path(tmp_path / "split", directory=True) as tmp:
+        tmp.mkdir()
+        (tmp / "new.npy").write_text("new")
+    assert [path.name for path in (tmp_path / "split").iterdir()] == ["new.npy"]
+
+
+def test_gzip_text_reads_as_the_text_itself(tmp_path):
+    text = "erste Zeile\r\nzweite\u2028Zeile\n\ndritte\n".encode("utf-8")
+    (tmp_path / "plain.de").write_bytes(text)
+    (tmp_path / "packed.de").write_bytes(gzip.compress(text))
+    assert read_lines(tmp_path / "packed.de") == read_lines(tmp_path / "plain.de")
+    assert list(iter_lines(tmp_path / "packed.de")) == read_lines(tmp_path / "plain.de")
+    assert count_lines(tmp_path / "packed.de") == 4
+
+
+@pytest.mark.parametrize("reader", [read_lines, lambda path: list(iter_lines(path)), count_lines])
+@pytest.mark.parametrize("content, message", [
+    ("a\rb\rc\r".encode(), "carriage return alone"),
+    ("a b\n".encode("utf-16"), "UTF-16 text"),
+    ("a b\n".encode("utf-32"), "UTF-32 text"),
+    (b"caf\xc3\xa9\nna\xefve\n", r"line 2: bytes that are not UTF-8"),
+    (b"\x00\x00\x00\x01binary", "NUL bytes"),
+])
+def test_every_reader_names_what_the_file_is_instead_of_text(tmp_path, reader, content, message):
+    (tmp_path / "f.txt").write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        reader(tmp_path / "f.txt")
+
+
+def test_a_character_cut_by_a_block_boundary_is_not_an_error(tmp_path, monkeypatch):
+    import aiayn.fileio as fileio
+
+    monkeypatch.setattr(fileio, "BLOCK", 7)  # "ü" and "ß" fall across boundaries
+    (tmp_path / "f.de").write_text("grüße aus köln\nüber straßen\n", encoding="utf-8")
+    assert count_lines(tmp_path / "f.de") == 2
+    (tmp_path / "g.de").write_bytes("grüße\n".encode() + b"\xc3")  # but one cut by the end of the file is
+    with pytest.raises(UserError, match="line 2: bytes that are not UTF-8"):
+        count_lines(tmp_path / "g.de")
