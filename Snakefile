@@ -1,5 +1,5 @@
 # aiayn: "Attention Is All You Need", reproduced as one DAG:
-# download -> bpe -> binarise -> train -> average -> decode -> score -> report
+# download -> bpe -> binarize -> train -> average -> decode -> score -> report
 #
 #   snakemake --cores all                                     # the embedded demo
 #   snakemake --cores all --configfile config/wmt14_en_de.yaml  # the paper

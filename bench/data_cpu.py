@@ -1,4 +1,4 @@
-"""Data-stage speed and memory: download (local text and parquet), BPE, and binarise with 1, 2 and all cores.
+"""Data-stage speed and memory: download (local text and parquet), BPE, and binarize with 1, 2 and all cores.
 
 Each stage runs as its CLI in a subprocess, as the workflow runs it; the peak resident memory
 is that of the stage and all its worker processes together (their RSS summed, sampled every
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=37000)
     parser.add_argument("--input-sentence-size", type=int, default=2_000_000)
     parser.add_argument("--workers", type=int, nargs="*", default=sorted({1, 2, os.cpu_count() or 1}),
-                        help="binarise with each of these process counts (default: 1, 2 and all cores; none: skip)")
+                        help="binarize with each of these process counts (default: 1, 2 and all cores; none: skip)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     aiayn = [sys.executable, "-m", "aiayn.cli"]
@@ -188,11 +188,11 @@ def main(argv=None) -> int:
             "bpe", "--bpe-json", json.dumps(bpe), "--threads", str(os.cpu_count()), "--out-dir", str(folder / "bpe"),
             str(folder / "data" / "train.en"), str(folder / "data" / "train.de")], "bpe.log")
         for workers in args.workers:
-            result = run_stage(f"binarise ({workers} process{'es' if workers > 1 else ''})", aiayn + [
-                "binarise", "--binarize-json", json.dumps({"max_tokens": 250, "workers": workers}), "--split", "train",
+            result = run_stage(f"binarize ({workers} process{'es' if workers > 1 else ''})", aiayn + [
+                "binarize", "--binarize-json", json.dumps({"max_tokens": 250, "workers": workers}), "--split", "train",
                 "--workers", str(workers), "--src", str(folder / "data" / "train.en"),
                 "--tgt", str(folder / "data" / "train.de"), "--spm-model", str(folder / "bpe" / "spm.model"),
-                "--out-dir", str(folder / f"bin{workers}")], folder / f"binarise{workers}.log")
+                "--out-dir", str(folder / f"bin{workers}")], folder / f"binarize{workers}.log")
             result["pairs_per_s"] = round(args.pairs / result["seconds"])
             meta = json.loads((folder / f"bin{workers}" / "meta.json").read_text())
             result["tokens"] = meta["src_tokens"] + meta["tgt_tokens"]

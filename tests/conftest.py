@@ -21,7 +21,7 @@ DE_WORDS = "der die das mann frau hund katze sieht mag haus garten groß klein r
 
 
 def make_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """Word-for-word pairs with umlauts and varied lengths: enough for BPE and binarisation."""
+    """Word-for-word pairs with umlauts and varied lengths: enough for BPE and binarization."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
@@ -63,7 +63,7 @@ def tiny_preset(**overrides) -> dict:
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
-    """A small corpus taken through download, bpe and binarise (train and dev)."""
+    """A small corpus taken through download, bpe and binarize (train and dev)."""
     from aiayn.binarize import binarize_split
     from aiayn.bpe import learn_bpe
     from aiayn.data import download

@@ -78,9 +78,9 @@ def bpe(case: Path, shared: Path, *inputs: str, options: tuple[str, ...] = (), *
             "--out-dir", str(case / "bpe"), *inputs]
 
 
-def binarise(case: Path, shared: Path, src: str | None = None, tgt: str | None = None, spm: str | None = None,
+def binarize(case: Path, shared: Path, src: str | None = None, tgt: str | None = None, spm: str | None = None,
              split: str = "dev", out: str | None = None, workers: str = "1", **settings) -> list[str]:
-    return ["binarise", "--binarize-json", json.dumps({**BINARIZE, **settings}), "--split", split,
+    return ["binarize", "--binarize-json", json.dumps({**BINARIZE, **settings}), "--split", split,
             "--src", src or str(shared / "raw" / f"{split}.en"), "--tgt", tgt or str(shared / "raw" / f"{split}.de"),
             "--spm-model", spm or str(shared / "bpe" / "spm.model"), "--out-dir", out or str(case / "bin" / split),
             "--workers", workers]
@@ -202,40 +202,40 @@ REFUSED = [
             lambda case, shared: bpe(case, shared, str(shared / "raw" / "train.en"), str(shared / "raw" / "train.de"),
                                      options=("--threads", "0")),
             ("--threads 0",), "at least 1"),
-    # binarise
-    Refused("binarise: a file that is not a SentencePiece model (two workers)",
-            lambda case, shared: binarise(case, shared, spm=str(write(case / "spm.model", b"not a model\n")),
+    # binarize
+    Refused("binarize: a file that is not a SentencePiece model (two workers)",
+            lambda case, shared: binarize(case, shared, spm=str(write(case / "spm.model", b"not a model\n")),
                                           workers="2"),
             ("spm.model", "not a SentencePiece model"), "give the spm.model written by the bpe stage"),
-    Refused("binarise: the vocabulary listing instead of the model",
-            lambda case, shared: binarise(case, shared, spm=str(shared / "bpe" / "spm.vocab")),
+    Refused("binarize: the vocabulary listing instead of the model",
+            lambda case, shared: binarize(case, shared, spm=str(shared / "bpe" / "spm.vocab")),
             ("spm.vocab", "not a SentencePiece model"), "give spm.model beside it"),
-    Refused("binarise: a missing SentencePiece model",
-            lambda case, shared: binarise(case, shared, spm=str(case / "spm.model")),
+    Refused("binarize: a missing SentencePiece model",
+            lambda case, shared: binarize(case, shared, spm=str(case / "spm.model")),
             ("spm.model: SentencePiece model not found",), "run the bpe stage first"),
-    Refused("binarise: the bpe folder instead of its model",
-            lambda case, shared: binarise(case, shared, spm=str(shared / "bpe")),
+    Refused("binarize: the bpe folder instead of its model",
+            lambda case, shared: binarize(case, shared, spm=str(shared / "bpe")),
             ("bpe is a directory",), "did you mean"),
-    Refused("binarise: a directory for the source text",
-            lambda case, shared: binarise(case, shared, src=mkdir(case / "texts")),
+    Refused("binarize: a directory for the source text",
+            lambda case, shared: binarize(case, shared, src=mkdir(case / "texts")),
             ("texts is a directory",), "give the file itself"),
-    Refused("binarise: source and target of different lengths",
-            lambda case, shared: binarise(case, shared, tgt=str(write(case / "dev.de", lines(19)))),
+    Refused("binarize: source and target of different lengths",
+            lambda case, shared: binarize(case, shared, tgt=str(write(case / "dev.de", lines(19)))),
             ("dev.en has 20 lines", "dev.de has 19"), "parallel"),
-    Refused("binarise: a line that is not UTF-8, late in the file",
-            lambda case, shared: binarise(case, shared, tgt=str(write(case / "dev.de", lines(19) + b"\xff\n"))),
+    Refused("binarize: a line that is not UTF-8, late in the file",
+            lambda case, shared: binarize(case, shared, tgt=str(write(case / "dev.de", lines(19) + b"\xff\n"))),
             ("dev.de, line 20", "not UTF-8"), "iconv"),
-    Refused("binarise: no workers",
-            lambda case, shared: binarise(case, shared, workers="0"),
+    Refused("binarize: no workers",
+            lambda case, shared: binarize(case, shared, workers="0"),
             ("--workers 0",), "at least 1"),
-    Refused("binarise: workers that are not a number",
-            lambda case, shared: binarise(case, shared, workers="many"),
-            ("aiayn binarise", "--workers", "'many'"), "--help"),
-    Refused("binarise: a split that does not exist",
-            lambda case, shared: binarise(case, shared)[:4] + ["validation"] + binarise(case, shared)[5:],
+    Refused("binarize: workers that are not a number",
+            lambda case, shared: binarize(case, shared, workers="many"),
+            ("aiayn binarize", "--workers", "'many'"), "--help"),
+    Refused("binarize: a split that does not exist",
+            lambda case, shared: binarize(case, shared)[:4] + ["validation"] + binarize(case, shared)[5:],
             ("--split", "'validation'"), "choose from"),
-    Refused("binarise: an output folder holding other things",
-            lambda case, shared: binarise(case, shared, out=str(write(case / "mine" / "notes.txt", b"x").parent)),
+    Refused("binarize: an output folder holding other things",
+            lambda case, shared: binarize(case, shared, out=str(write(case / "mine" / "notes.txt", b"x").parent)),
             ("mine",), "give a new folder"),
     # decode, translate and average import torch (seconds each), so only their own cases: the rest of
     # their checks (threads, counts, a missing file) are the ones above or in their unit tests
@@ -402,8 +402,8 @@ def test_gzip_compressed_text_is_read_through(tmp_path):
     assert b"warning" not in result.stderr
 
 
-def test_the_binarise_log_says_an_evaluation_split_keeps_every_pair(shared, tmp_path):
-    result = run_cli(binarise(tmp_path, shared, split="test"), tmp_path)
+def test_the_binarize_log_says_an_evaluation_split_keeps_every_pair(shared, tmp_path):
+    result = run_cli(binarize(tmp_path, shared, split="test"), tmp_path)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     summary = result.stdout.decode()
     assert "all 20 pairs kept (an evaluation split: none is dropped)" in summary and "None" not in summary

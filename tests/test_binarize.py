@@ -1,4 +1,4 @@
-"""The binarise stage: compact arrays that decode back to exactly the BPE pieces."""
+"""The binarize stage: compact arrays that decode back to exactly the BPE pieces."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import fingerprint_files
 
 
-def test_binarised_data_decodes_back_to_exactly_the_bpe_pieces(prepared):
+def test_binarized_data_decodes_back_to_exactly_the_bpe_pieces(prepared):
     processor = load_processor(prepared / "bpe" / "spm.model")
     split = load_split(prepared / "bin" / "dev")
     src_lines = (prepared / "data" / "dev.en").read_text(encoding="utf-8").splitlines()
@@ -54,7 +54,7 @@ def test_two_processes_give_the_same_arrays_as_one(prepared, tmp_path, monkeypat
         assert np.array_equal(np.load(tmp_path / "one" / f"{name}.npy"), np.load(tmp_path / "two" / f"{name}.npy"))
 
 
-def test_binarise_memory_does_not_grow_with_the_corpus(prepared, tmp_path, monkeypatch):
+def test_binarize_memory_does_not_grow_with_the_corpus(prepared, tmp_path, monkeypatch):
     """Ten times the pairs: the peak grows by far less than the text added (holding it would take more)."""
     import tracemalloc
 
@@ -112,6 +112,16 @@ def test_a_worker_that_dies_ends_the_stage_instead_of_hanging(prepared, monkeypa
     next(chunks)
     for worker in multiprocessing.active_children():
         os.kill(worker.pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="a binarise worker process died"):
+    with pytest.raises(RuntimeError, match="a binarize worker process died"):
         for _ in chunks:
             pass
+
+
+def test_the_old_spelling_of_the_command_still_runs_with_a_warning(capsys):
+    from aiayn.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["binarise", "--help"])
+    assert stopped.value.code == 0
+    captured = capsys.readouterr()
+    assert "use `aiayn binarize`" in captured.err and "usage: aiayn binarize" in captured.out

@@ -1,4 +1,4 @@
-"""Streaming the data stages changed no byte: download, bpe and binarise outputs equal those of 8993dec.
+"""Streaming the data stages changed no byte: download, bpe and binarize outputs equal those of 8993dec.
 
 The hashes below were written by the in-memory stages of commit 8993dec (run
 ``python tests/test_data_identity.py`` at a commit to print its hashes). Paths are relative
@@ -77,7 +77,7 @@ def _generated_local(source: str) -> dict:
 
 
 def build_outputs(corpus: str) -> dict[str, str]:
-    """Download, bpe and binarise ``corpus`` in the current folder; the sha256 of each output file."""
+    """Download, bpe and binarize ``corpus`` in the current folder; the sha256 of each output file."""
     from aiayn.binarize import binarize_split
     from aiayn.bpe import learn_bpe
     from aiayn.data import download

@@ -88,7 +88,7 @@ def paper_layer(n_layers: int) -> tuple[int, str]:
 class EncodedSentence:
     """A sentence as the decode stage feeds it to the encoder, with labels for the picture's axes."""
 
-    ids: list[int]  # BPE ids then EOS (the binarise stage's convention, no BOS)
+    ids: list[int]  # BPE ids then EOS (the binarize stage's convention, no BOS)
     pieces: list[str]  # SentencePiece pieces; an unknown piece is shown by its own text
     word_of_piece: list[int | None]  # index into `words` for each piece, None for EOS
     words: list[str]  # the sentence split on whitespace

@@ -105,7 +105,7 @@ def _pad_rows(ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, prefix: in
 
 
 def collate(split, rows: np.ndarray) -> Batch:
-    """Build the tensors of one batch from a binarised split (see aiayn.binarize.TokenizedSplit)."""
+    """Build the tensors of one batch from a binarized split (see aiayn.binarize.TokenizedSplit)."""
     rows = np.asarray(rows, dtype=np.int64)
     src = _pad_rows(split.src_ids, split.src_offsets, rows, None, EOS_ID)
     tgt_in = _pad_rows(split.tgt_ids, split.tgt_offsets, rows, BOS_ID, None)

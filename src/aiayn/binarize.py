@@ -1,4 +1,4 @@
-"""The binarise stage: every split as compact token-id arrays with offsets.
+"""The binarize stage: every split as compact token-id arrays with offsets.
 
 One folder per split holding ``src.ids.npy`` / ``tgt.ids.npy`` (all sentences' BPE ids end
 to end, uint16 when the vocabulary fits), ``src.offsets.npy`` / ``tgt.offsets.npy``
@@ -57,7 +57,7 @@ def _chunks(src_path: str | Path, tgt_path: str | Path) -> Iterator[tuple[list[s
 
 
 def encode_chunks(src_path: str | Path, tgt_path: str | Path, model_path: str | Path, workers: int,
-                  pairs: int | None = None, desc: str = "binarise") -> Iterator[tuple[np.ndarray, ...]]:
+                  pairs: int | None = None, desc: str = "binarize") -> Iterator[tuple[np.ndarray, ...]]:
     """Flat ids and lengths of both sides, one chunk of ``CHUNK_PAIRS`` pairs at a time, in order.
 
     The parent reads the text chunk by chunk while ``workers`` processes encode; at most two
@@ -92,7 +92,7 @@ def encode_chunks(src_path: str | Path, tgt_path: str | Path, model_path: str | 
                     progress.update(size)
             except concurrent.futures.process.BrokenProcessPool:
                 raise RuntimeError(
-                    f"a binarise worker process died (killed, out of memory?) while encoding {src_path}; "
+                    f"a binarize worker process died (killed, out of memory?) while encoding {src_path}; "
                     "rerun the stage, with fewer --workers if memory is short"
                 ) from None
             finally:
@@ -169,7 +169,7 @@ def binarize_split(
         raise UserError(f"{src_path}: the {split} split is empty")
     out_dir = Path(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "meta.json").exists():
-        raise UserError(f"{out_dir} is a folder that holds something other than a binarised split; "
+        raise UserError(f"{out_dir} is a folder that holds something other than a binarized split; "
                         "give a new folder for --out-dir (it is replaced as a whole)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
@@ -182,7 +182,7 @@ def binarize_split(
             arrays["src.offsets"].append(np.zeros(1))
             arrays["tgt.offsets"].append(np.zeros(1))
             for src_flat, src_len, tgt_flat, tgt_len in encode_chunks(src_path, tgt_path, model_path, workers,
-                                                                      pairs, desc=f"binarise {split}"):
+                                                                      pairs, desc=f"binarize {split}"):
                 if max_tokens is None:  # evaluation splits: every sentence stays
                     empty = too_long = np.zeros(len(src_len), dtype=bool)
                 else:
@@ -221,7 +221,7 @@ def binarize_split(
 
 @dataclass
 class TokenizedSplit:
-    """A binarised split, memory-mapped; sentence ``i`` is ``src(i)`` / ``tgt(i)``."""
+    """A binarized split, memory-mapped; sentence ``i`` is ``src(i)`` / ``tgt(i)``."""
 
     src_ids: np.ndarray
     src_offsets: np.ndarray
@@ -251,7 +251,7 @@ class TokenizedSplit:
 def load_split(path: str | Path, mmap: bool = True) -> TokenizedSplit:
     path = Path(path)
     if not (path / "meta.json").exists():
-        raise UserError(f"{path}: not a binarised split (no meta.json); run the binarise stage")
+        raise UserError(f"{path}: not a binarized split (no meta.json); run the binarize stage")
     mode = "r" if mmap else None
     arrays = {name: np.load(path / f"{name}.npy", mmap_mode=mode)
               for name in ("src.ids", "src.offsets", "tgt.ids", "tgt.offsets", "lines")}
@@ -263,7 +263,7 @@ def load_split(path: str | Path, mmap: bool = True) -> TokenizedSplit:
 def main(argv=None):
     from aiayn.config import add_config_arguments, section_from_arguments
 
-    parser = argparse.ArgumentParser(prog="aiayn binarise", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="aiayn binarize", description=__doc__.splitlines()[0])
     add_config_arguments(parser, "binarize")
     parser.add_argument("--split", required=True, choices=("train", "dev", "test"),
                         help="train is filtered by binarize.max_tokens; dev and test keep every pair")
@@ -277,10 +277,10 @@ def main(argv=None):
     max_tokens = settings["max_tokens"] if args.split == "train" else None  # never drop evaluation sentences
     meta = binarize_split(args.split, args.src, args.tgt, args.spm_model, args.out_dir, max_tokens,
                           settings["workers"] if args.workers is None else args.workers)
-    print(f"{args.split}: {binarised_summary(meta)}")
+    print(f"{args.split}: {binarized_summary(meta)}")
 
 
-def binarised_summary(meta: dict) -> str:
+def binarized_summary(meta: dict) -> str:
     """What the log says of a split: what was kept, and why the rest was dropped (train) or that
     nothing was (evaluation splits, which keep every pair)."""
     if meta["max_tokens"] is None:

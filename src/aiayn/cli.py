@@ -11,17 +11,19 @@ COMMANDS = {
     "demo": ("aiayn.demo", "write the synthetic demo corpus"),
     "download": ("aiayn.data", "fetch a parallel corpus (hub, local files or the demo)"),
     "bpe": ("aiayn.bpe", "learn the shared SentencePiece BPE vocabulary"),
-    "binarise": ("aiayn.binarize", "encode text into token-id arrays"),
-    "binarize": ("aiayn.binarize", "alias of binarise"),
+    "binarize": ("aiayn.binarize", "encode text into token-id arrays"),
     "params": ("aiayn.params", "parameter count of every preset beside the paper's"),
     "train": ("aiayn.train", "train one model preset"),
     "average": ("aiayn.average", "average the last K checkpoints"),
-    "decode": ("aiayn.decode", "beam-search a binarised or text split"),
+    "decode": ("aiayn.decode", "beam-search a binarized or text split"),
     "translate": ("aiayn.translate", "translate stdin to stdout with a trained model"),
     "score": ("aiayn.score", "sacreBLEU, paper-comparable tokenized BLEU and chrF"),
     "report": ("aiayn.report", "Table 2 and Table 3 beside the paper's numbers"),
     "compare": ("aiayn.compare", "compare runs from MLflow"),
 }
+
+# old spellings still accepted, with a warning: old name -> command
+DEPRECATED = {"binarise": "binarize"}
 
 
 def usage() -> str:
@@ -72,6 +74,9 @@ def main(argv=None) -> int:
         print(usage())
         return 0
     command, rest = argv[0], argv[1:]
+    if command in DEPRECATED:
+        print(f"warning: `aiayn {command}` is deprecated; use `aiayn {DEPRECATED[command]}`", file=sys.stderr)
+        command = DEPRECATED[command]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; `aiayn --help` lists the commands", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ def translate(
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
         return results
-    # Source sequences are BPE ids then EOS, no BOS (the binarise stage's convention).
+    # Source sequences are BPE ids then EOS, no BOS (the binarize stage's convention).
     encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
     batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
     padded = [_pad([encoded[i] for i in batch], device) for batch in batches]

@@ -382,8 +382,8 @@ class Trainer:
         self.dev_split = load_split(job.dev_data) if job.dev_data else None
         self.vocab_fingerprint = self.train_split.meta["vocab_fingerprint"]
         if bpe_fingerprint(job.spm_model) != self.vocab_fingerprint:
-            raise UserError(f"{job.train_data} was binarised with another vocabulary than {job.spm_model}; "
-                            "rerun the binarise stage")
+            raise UserError(f"{job.train_data} was binarized with another vocabulary than {job.spm_model}; "
+                            "rerun the binarize stage")
         self.data_fingerprint = self.train_split.meta["data_fingerprint"]
         self.checkpoint_dir = job.run_dir / "checkpoints"
         self.model_config = self._model_config()
@@ -406,7 +406,7 @@ class Trainer:
     def _model_config(self) -> ModelConfig:
         from aiayn.config import model_fields
 
-        # binarise read the vocabulary size from the vocabulary whose fingerprint was just checked
+        # binarize read the vocabulary size from the vocabulary whose fingerprint was just checked
         return ModelConfig(vocab_size=self.train_split.meta["vocab_size"], pad_id=PAD_ID,
                            **model_fields(self.job.preset))
 
@@ -777,8 +777,8 @@ def main(argv=None):
     parser.add_argument("--preset-json", required=True, help="the resolved preset (what the Snakefile passes)")
     parser.add_argument("--train-json", required=True, help="the config's `train` section")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--train-data", required=True, type=Path, help="binarised train split folder")
-    parser.add_argument("--dev-data", type=Path, help="binarised dev split folder")
+    parser.add_argument("--train-data", required=True, type=Path, help="binarized train split folder")
+    parser.add_argument("--dev-data", type=Path, help="binarized dev split folder")
     parser.add_argument("--spm-model", required=True, type=Path)
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--experiment", default="default")
