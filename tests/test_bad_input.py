@@ -87,10 +87,10 @@ def binarize(case: Path, shared: Path, src: str | None = None, tgt: str | None =
 
 
 def decode(case: Path, shared: Path, model: str | None = None, spm: str | None = None,
-           source: str | None = None) -> list[str]:
+           source: str | None = None, output: str | None = None) -> list[str]:
     return ["decode", "--decode-json", "{}", "--model", model or str(case / "model.pt"),
             "--spm-model", spm or str(shared / "bpe" / "spm.model"),
-            "--input", source or str(shared / "raw" / "dev.en"), "--output", str(case / "out.de"),
+            "--input", source or str(shared / "raw" / "dev.en"), "--output", output or str(case / "out.de"),
             "--threads", "1", "--device", "cpu"]
 
 
@@ -248,6 +248,9 @@ REFUSED = [
     Refused("decode: a directory for the model",
             lambda case, shared: decode(case, shared, model=mkdir(case / "average")),
             ("average is a directory",), "checkpoint or model file is expected"),
+    Refused("decode: a directory for the output, refused before decoding",
+            lambda case, shared: decode(case, shared, output=mkdir(case / "translations")),
+            ("translations is a directory",), "give the name of the file to write"),
     Refused("decode: a model file that is not a checkpoint",
             lambda case, shared: decode(case, shared, model=str(write(case / "model.pt", b"hello\n"))),
             ("model.pt", "cannot be loaded"), "delete it"),

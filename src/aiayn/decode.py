@@ -218,7 +218,7 @@ class DecodeSettings:
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.config import add_config_arguments, section_from_arguments
-    from aiayn.fileio import read_lines, write_lines_atomic
+    from aiayn.fileio import prepare_output, read_lines, write_lines_atomic
 
     parser = argparse.ArgumentParser(prog="aiayn decode", description=__doc__.splitlines()[0])
     add_config_arguments(parser, "decode")
@@ -229,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     settings = DecodeSettings.from_section(section_from_arguments(args, "decode"))
     config = settings.search
+    prepare_output(args.output)  # refused before decoding, not after
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
     tokens_per_batch = resolve_tokens_per_batch(settings.tokens_per_batch, device)
