@@ -45,3 +45,20 @@ def test_a_vocabulary_the_corpus_cannot_support_is_a_clear_error(prepared, tmp_p
     with pytest.raises(UserError, match=r"bpe\.vocab_size = 50000 is more than the training data .* \(at most \d+\)"):
         learn_bpe(files, tmp_path / "big", vocab_size=50000, input_sentence_size=0, threads=1)
     assert not (tmp_path / "big" / "spm.model").exists()
+
+
+def test_a_rerun_writes_the_same_model_bytes_and_leaves_no_training_folder(prepared, tmp_path, monkeypatch):
+    import hashlib
+
+    files = [prepared / "data" / "train.en", prepared / "data" / "train.de"]
+    monkeypatch.chdir(tmp_path)  # relative paths, as the workflow passes them
+
+    def run() -> dict[str, str]:
+        learn_bpe(files, "bpe", vocab_size=120, input_sentence_size=500, seed=7, threads=1)
+        return {name: hashlib.sha256((tmp_path / "bpe" / name).read_bytes()).hexdigest()
+                for name in ("spm.model", "spm.vocab")}
+
+    first = run()
+    (tmp_path / "bpe" / ".spm-training").mkdir()  # as a killed run would leave it
+    assert run() == first
+    assert sorted(path.name for path in (tmp_path / "bpe").iterdir()) == ["bpe.json", "spm.model", "spm.vocab"]

@@ -213,6 +213,29 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
                                        "bootstrap_p_vs_base"])):
         frames = [pd.read_csv(root / "report" / f"{table}.csv")[columns] for root in (uninterrupted, restarted)]
         pd.testing.assert_frame_equal(frames[0], frames[1])
+    # Every other output has the bytes of the uninterrupted run's, but for what records time or
+    # identity by design (README, "What each stage writes").
+    assert different_outputs(uninterrupted, restarted) == []
+
+
+# What two runs of the DAG may write differently (README, "What each stage writes"): logs, the training
+# run's clock and MLflow identity (checkpoints carry both, for resuming), and the report tables' train_hours.
+RUN_TO_RUN_EXCEPTIONS = ("logs/*", "train/*/seed*/checkpoints/*", "train/*/seed*/final.json",
+                         "train/*/seed*/metrics.jsonl", "train/*/seed*/mlflow_*", "train/*/seed*/.lock",
+                         "report/table*")
+
+
+def different_outputs(first, second) -> list[str]:
+    """The files under two results folders whose bytes (or existence) differ, outside the exceptions."""
+    import fnmatch
+
+    def files(root):
+        return {str(path.relative_to(root)) for path in root.rglob("*") if path.is_file()}
+
+    names = sorted(files(first) | files(second))
+    return [name for name in names if not any(fnmatch.fnmatch(name, pattern) for pattern in RUN_TO_RUN_EXCEPTIONS)
+            and (not (first / name).is_file() or not (second / name).is_file()
+                 or (first / name).read_bytes() != (second / name).read_bytes())]
 
 
 def broken_local_input(workdir):

@@ -10,7 +10,6 @@ import argparse
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 from aiayn.errors import UserError, cli
@@ -39,8 +38,13 @@ def learn_bpe(
         raise UserError(f"--threads {threads} must be at least 1")
     prepare_output(out_dir, directory=True)
     spm.set_random_generator_seed(seed)
-    with tempfile.TemporaryDirectory(prefix="aiayn-bpe-") as tmp:
-        prefix = os.path.join(tmp, "spm")
+    # SentencePiece stores the model prefix in the model file: a fixed folder beside the outputs (not a
+    # random temporary one) makes two runs of the same stage write the same bytes.
+    work = out_dir / ".spm-training"
+    shutil.rmtree(work, ignore_errors=True)  # a killed run's leftovers; one bpe job writes out_dir at a time
+    work.mkdir(parents=True)
+    try:
+        prefix = str(work / "spm")
         try:
             spm.SentencePieceTrainer.train(
                 input=",".join(str(p) for p in train_files),
@@ -71,6 +75,8 @@ def learn_bpe(
         for suffix in ("model", "vocab"):
             with atomic_path(out_dir / f"spm.{suffix}") as tmp_path:
                 shutil.copyfile(f"{prefix}.{suffix}", tmp_path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     info = {
         "vocab_size": vocab_size,
         "model_type": "bpe",
