@@ -289,3 +289,47 @@ def test_every_failing_job_of_a_keep_going_run_shows_its_message_at_the_end(demo
         assert re.search(rf"logs/train/{model}/seed1\.log:\nerror: cannot use the MLflow tracking store", terminal), \
             terminal[-4000:]
     assert "rule download" not in terminal and "rule bpe" not in terminal
+
+
+def with_config(workdir, overlay: str, *args) -> subprocess.CompletedProcess:
+    """snakemake with the test's config and `overlay` (YAML) merged over it into one config file."""
+    import yaml
+
+    from aiayn.config import merge
+
+    config = merge(yaml.safe_load(OVERRIDE), yaml.safe_load(overlay) or {})
+    (workdir / "changed.yaml").write_text(yaml.safe_dump(config))
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args, "--configfile", "changed.yaml"],
+                          cwd=workdir, env=snakemake_environment(), capture_output=True, text=True, timeout=600)
+
+
+def dry_run(workdir, overlay: str, *targets) -> str:
+    """What `snakemake -n` would run and why, with `overlay` merged over the test's config."""
+    result = with_config(workdir, overlay, "-n", *targets)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stdout + result.stderr
+
+
+def test_a_setting_that_changes_no_output_reruns_nothing_and_one_that_does_reruns_its_stage(demo_run):
+    quiet = dry_run(demo_run, "train: {log_every: 7, threads: 1}\ndecode: {workers: 2}\nbinarize: {workers: 1}")
+    assert "Nothing to be done" in quiet, quiet[-3000:]
+    changed = dry_run(demo_run, "decode: {beam_size: 3}")
+    assert "params have changed since last execution" in changed.lower(), changed[-3000:]
+    assert re.search(r"^decode\s+4$", changed, re.M) and not re.search(r"^train\s+\d", changed, re.M), changed[-3000:]
+
+
+@pytest.mark.workflow
+def test_editing_a_local_input_file_reruns_the_download_and_what_follows(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    local = write_text_corpus(workdir / "raw", (("train", 200), ("dev", 20), ("test", 20)))
+    overlay = json.dumps({"data": {"source": "local", "local": local}})
+    target = "results/demo/data/stats.json"
+    first = with_config(workdir, overlay, target)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert "Nothing to be done" in dry_run(workdir, overlay, target)
+    time.sleep(1.1)  # a later modification time on any file system
+    for name, line in (("train.de", "noch ein Satz .\n"), ("train.en", "one more sentence .\n")):
+        with open(workdir / "raw" / name, "a", encoding="utf-8") as handle:
+            handle.write(line)
+    edited = dry_run(workdir, overlay, target)
+    assert "Updated input files" in edited and "raw/train.en" in edited, edited[-3000:]

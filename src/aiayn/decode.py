@@ -217,7 +217,7 @@ class DecodeSettings:
 
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.config import add_config_arguments, section_from_arguments
+    from aiayn.config import add_config_arguments, check_section, section_from_arguments
     from aiayn.fileio import prepare_output, read_lines, write_lines_atomic
 
     parser = argparse.ArgumentParser(prog="aiayn decode", description=__doc__.splitlines()[0])
@@ -225,9 +225,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_runtime_arguments(parser)
     parser.add_argument("--input", required=True, help="source text, one sentence a line")
     parser.add_argument("--output", required=True, help="where to write the translations, one a line")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="overrides decode.workers (the Snakefile passes it apart: it changes no output)")
     args = parser.parse_args(argv)
 
-    settings = DecodeSettings.from_section(section_from_arguments(args, "decode"))
+    section = section_from_arguments(args, "decode")
+    if args.workers is not None:
+        section = check_section("decode", {**section, "workers": args.workers}, "--workers")
+    settings = DecodeSettings.from_section(section)
     config = settings.search
     prepare_output(args.output)  # refused before decoding, not after
     sentences = read_lines(args.input)

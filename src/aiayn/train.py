@@ -785,6 +785,8 @@ def main(argv=None):
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("--no-tracking", action="store_true", help="metrics.jsonl only, no MLflow")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: leave torch's default)")
+    parser.add_argument("--log-every", type=int, default=None,
+                        help="overrides train.log_every (the Snakefile passes it apart: it changes no output)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="overrides train.device (auto: a GPU when there is one and the preset has gpus > 0)")
     parser.add_argument("--processes", type=int, default=None,
@@ -798,6 +800,10 @@ def main(argv=None):
         train_section = json.loads(args.train_json)
     except json.JSONDecodeError as error:
         raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
+    if args.log_every is not None:
+        if args.log_every < 1:
+            raise UserError(f"--log-every {args.log_every} must be at least 1")
+        train_section = {**train_section, "log_every": args.log_every}
     train_section = check_section("train", train_section, "--train-json")
     check_resolved_preset(preset, "--preset-json")
     if args.processes is not None and args.processes < 1:

@@ -6,7 +6,7 @@ rule binarize:
     output:
         directory(f"{RESULTS}/bin/{{split}}"),
     params:
-        binarize=to_json(config["binarize"]),
+        binarize=output_settings("binarize"),
     threads: config["binarize"]["workers"]
     log:
         log_file("binarize", "{split}"),

@@ -77,6 +77,25 @@ def decode_model(wildcards):
     return for_run(made_by, wildcards)
 
 
+# Settings that change how a job runs but none of its outputs. A rule passes them as resources,
+# which rerun nothing when they change; its params, which Snakemake compares with the last run's,
+# hold the rest of the section (output_settings), so a change there reruns the job and what follows.
+RUNTIME_ONLY = {"train": ("log_every", "threads"), "binarize": ("workers",), "decode": ("workers",)}
+
+
+def output_settings(section):
+    """A config section as a rule's params: its settings that can change an output, as JSON."""
+    return to_json({key: value for key, value in config[section].items() if key not in RUNTIME_ONLY[section]})
+
+
+def local_inputs():
+    """The user's own files under data.source local (their edits rerun the download and what follows)."""
+    if config["data"]["source"] != "local":
+        return []
+    splits = config["data"]["local"].values()
+    return [path for split in splits if split for path in split.values()]
+
+
 def attempt_number(wildcards, attempt):
     """Snakemake's attempt of a job (1, then 2, ... on retries), as a resource so that a rule's shell
     command can pass it on: `aiayn --log {log} --attempt {resources.attempt} <stage> ...` does not run a

@@ -1,4 +1,6 @@
 rule download:
+    input:
+        local_inputs(),
     output:
         texts=[data_text(split, lang) for split in SPLITS for lang in (SRC, TGT)],
         stats=f"{RESULTS}/data/stats.json",

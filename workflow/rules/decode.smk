@@ -6,7 +6,7 @@ rule decode:
     output:
         f"{RESULTS}/decode/{{model}}/seed{{seed}}/{{split}}.{TGT}",
     params:
-        decode=to_json(config["decode"]),
+        decode=output_settings("decode"),
     threads: 2
     log:
         log_file("decode", *RUN_LOG, "{split}"),
@@ -15,7 +15,8 @@ rule decode:
         mem_mb=16000,
         runtime=60,
         attempt=attempt_number,
+        workers=config["decode"]["workers"],
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
         "decode --decode-json {params.decode:q} --model {input.model} --spm-model {input.spm_model} "
-        "--input {input.source} --output {output} --threads {threads}"
+        "--input {input.source} --output {output} --threads {threads} --workers {resources.workers}"

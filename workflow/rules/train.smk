@@ -8,7 +8,7 @@ rule train:
         model=run_file("final.pt"),
     params:
         preset=lambda w: to_json(preset(w)),
-        train=to_json(config["train"]),
+        train=output_settings("train"),
         run_dir=lambda w, output: Path(output.final).parent,
         experiment=config["experiment"],
         tracking_uri=config["tracking_uri"],
@@ -21,9 +21,10 @@ rule train:
         mem_mb=64000,
         runtime=lambda w: preset(w)["runtime_minutes"],
         attempt=attempt_number,
+        log_every=config["train"]["log_every"],
     shell:
         "exec aiayn --log {log} --attempt {resources.attempt} "
         "train --preset-json {params.preset:q} --train-json {params.train:q} --seed {wildcards.seed} "
         "--train-data {input.train} --dev-data {input.dev} --spm-model {input.spm_model} "
         "--run-dir {params.run_dir} --experiment {params.experiment} --tracking-uri {params.tracking_uri:q} "
-        "--threads {threads}"
+        "--threads {threads} --log-every {resources.log_every}"
