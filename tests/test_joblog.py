@@ -111,3 +111,32 @@ def test_the_summary_shows_only_logs_written_since_the_snapshot(tmp_path):
     assert print_job_messages(logs, before, failed=True, out=out) == 2
     assert out.getvalue() == (f"{logs / 'download.log'}:\nwarning: 2 pairs look Moses-escaped\n"
                               "error: data.local.train.src: bad\n")
+
+
+def test_a_job_ends_when_the_process_that_started_it_is_killed(tmp_path):
+    """The parent (Snakemake, for a rule that execs its command) killed with SIGKILL: the job gets SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = ("import signal, sys, time\n"
+             "from aiayn.joblog import end_with_parent\n"
+             "signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], 'w').write('terminated'), sys.exit(75)))\n"
+             "assert end_with_parent()\n"
+             "open(sys.argv[2], 'w').write('ready')\n"
+             "time.sleep(60)\n")
+    done, ready = tmp_path / "done", tmp_path / "ready"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time\n"
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(done)!r}, {str(ready)!r}])\n"
+                               "time.sleep(60)\n"])
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists()
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.read_text() == "terminated"

@@ -7,6 +7,10 @@ Every rule runs its stage as ``aiayn --log {log} --attempt {resources.attempt} <
   retries a failed job whatever its exit status (``retries`` in the profiles, for preempted and
   killed jobs), so a retry of a command whose previous attempt ended with status 2 is not run
   again: it puts back that attempt's log, says so, and ends with status 2 at once.
+- A job does not outlive the workflow that started it: on Linux it asks for SIGTERM when its parent
+  dies (``end_with_parent``). A rule that ``exec``s its command (train) has Snakemake itself as
+  parent, so a killed local ``snakemake`` stops its trainer, which checkpoints and exits 75 as on a
+  preemption. Under SLURM the parent is the scheduler's step, which owns the job.
 - At the end of a run the workflow prints, from the logs its jobs wrote, every ``error:`` and
   ``warning:`` paragraph (``print_job_messages``): once each, whatever the executor (a SLURM job's
   output never reaches the terminal) and however many attempts a job had.
@@ -40,6 +44,28 @@ def _redirect_output(log: Path) -> None:
     os.close(fd)
 
 
+def end_with_parent() -> bool:
+    """Ask Linux to send this process SIGTERM when its parent process dies (prctl PR_SET_PDEATHSIG).
+
+    Returns whether it was set up. If the parent is already gone (it died before the request), the
+    signal is sent now, as it would have been."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run: Callable[[], int]) -> int:
     """Run ``run`` with all output in ``log``; on a retry after a user error, don't (see the module).
 
@@ -69,6 +95,7 @@ def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run
         print(note, end="", file=sys.stderr)
         return USER_ERROR
     _redirect_output(log)
+    end_with_parent()
     status = run()
     if status == USER_ERROR:
         sys.stdout.flush()
