@@ -2,8 +2,10 @@
 
 Both models are the paper's post-norm, sinusoidal, shared-embedding Transformer built at the
 same size, fed the same synthetic length-bucketed batches, trained with label-smoothed cross
-entropy (0.1) and Adam at the same precision, in one process, one after the other, with the
-median of the timed steps reported. `transformers` is only needed for the peer:
+entropy (0.1) and Adam at the same precision (the trainer's autocast context: in bf16 on the
+CPU both use SDPA's math kernel), in one process, one after the other, with the median of the
+timed steps reported. Ours is the trainer's objective: the chunked output projection and loss of
+aiayn.loss. `transformers` is only needed for the peer:
 
     python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy
     PYTHONPATH=src /tmp/benchvenv/bin/python bench/train_cpu.py            # CPU, base size
@@ -16,7 +18,7 @@ is fastest, or `ratio=nan` without a peer.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import math
 import statistics
 import sys
@@ -25,13 +27,16 @@ import time
 import torch
 import torch.nn.functional as F
 
+from aiayn.batching import Batch, padded_to_multiple
+from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig, Transformer
-from aiayn.train import forward_flops, label_smoothed_loss, peak_flops
+from aiayn.train import COMPILE_MULTIPLE, autocast_context, compiled, forward_flops, peak_flops
 
 PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
     "base": (6, 512, 2048, 8),
     "big": (6, 1024, 4096, 16),
     "small": (3, 256, 1024, 4),
+    "demo": (2, 128, 512, 4),  # config/config.yaml's demo_base (with --vocab 2000 --tokens 3000 --threads 1)
     "tiny": (1, 64, 128, 2),  # a smoke test of this script (bench/gpu.sh --device cpu)
 }
 
@@ -56,20 +61,20 @@ def synthetic_batches(vocab: int, tokens: int, count: int, seed: int = 0) -> lis
 
 
 def autocast(device: str, precision: str):
-    if precision == "bf16":
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """The trainer's precision context (aiayn.train.autocast_context), for both models."""
+    return autocast_context(torch.device(device), precision)
 
 
-def build_ours(config: ModelConfig, device: str):
-    model = Transformer(config).to(device)
+def build_ours(config: ModelConfig, device: str, chunk_tokens: int | None = None):
+    """The trainer's objective (aiayn.loss.TrainingObjective): encoder, decoder, then the chunked
+    projection and label-smoothed loss; ``chunk_tokens`` None is the trainer's default."""
+    objective = TrainingObjective(Transformer(config).to(device), 0.1, chunk_tokens)
 
     def step(src, tgt_in, tgt_out):
-        logits = model(src, tgt_in)
-        loss, _ = label_smoothed_loss(logits, tgt_out, 0.1)
+        loss, _ = objective(src, tgt_in, tgt_out)
         return loss / (tgt_out != 0).sum()
 
-    return model, step
+    return objective, step
 
 
 def build_marian(config: ModelConfig, device: str):
@@ -108,8 +113,10 @@ def seconds_of(work, device: str) -> tuple[float, object]:
 def measure(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None) -> dict:
     torch.manual_seed(0)
     model, step = build(config, device)
-    if compile_backend:
-        model.forward = torch.compile(model.forward, backend=compile_backend)
+    if compile_backend:  # as the trainer compiles (aiayn.train.compiled), on batches padded as it pads them
+        model.forward = compiled(model.forward, compile_backend)
+        padded = [padded_to_multiple(Batch(*batch, 0, 0), COMPILE_MULTIPLE) for batch in batches]
+        batches = [(batch.src, batch.tgt_in, batch.tgt_out) for batch in padded]
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True if device == "cuda" else None)
@@ -193,6 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend ('eager' only traces: a quick smoke test of the compiled path)")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="target tokens per chunk of our output projection and loss (default: the trainer's, "
+                             "aiayn.loss.CHUNK_ELEMENTS / vocab)")
     parser.add_argument("--project-steps", type=int, default=0,
                         help="also print the hours this many steps would take at the measured speed")
     args = parser.parse_args(argv)
@@ -213,15 +223,16 @@ def main(argv=None) -> int:
     print(f"# {args.preset} ({layers} layers, d_model {d_model}), vocab {args.vocab}, {args.tokens} target tokens/step, "
           f"{args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     best = None
+    ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
-        ours = measure(build_ours, config, batches, args.device, precision, args.warmup)
+        ours = measure(ours_build, config, batches, args.device, precision, args.warmup)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
         if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
             print(line, flush=True)
-            compiled = measure(build_ours, config, batches, args.device, precision, args.warmup, args.compile_backend)
-            line = f"{precision}: ours compiled ({args.compile_backend}) {describe(compiled, peak, args.project_steps)}"
-            if compiled["tokens_per_second"] > ours["tokens_per_second"]:
-                ours = compiled
+            ours_compiled = measure(ours_build, config, batches, args.device, precision, args.warmup, args.compile_backend)
+            line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
+            if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
+                ours = ours_compiled
         ratio = float("nan")
         if peer:
             marian = measure(build_marian, config, batches, args.device, precision, args.warmup)

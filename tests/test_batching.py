@@ -123,3 +123,35 @@ def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
     for batch in batches:
         assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) * 2 <= 200
     assert batches[0] == [7]  # too long for the budget, it still gets a batch of its own
+
+
+def test_padding_to_a_multiple_changes_neither_the_loss_nor_the_gradients(prepared):
+    import torch
+
+    from aiayn.batching import padded_to_multiple
+    from aiayn.loss import teacher_forced_loss
+    from aiayn.model import ModelConfig, Transformer
+
+    split = load_split(prepared / "bin" / "train")
+    batch = collate(split, np.arange(5))
+    padded = padded_to_multiple(batch, 8)
+    rows, src_len = batch.src.shape
+    assert padded.src.shape[0] == padded.tgt_in.shape[0] == 8 and padded.src.shape[1] % 8 == 0
+    assert padded.tgt_in.shape[1] % 8 == 0 and padded.tgt_in.shape == padded.tgt_out.shape
+    assert torch.equal(padded.src[:rows, :src_len], batch.src) and torch.all(padded.tgt_out[rows:] == PAD_ID)
+    assert torch.all(padded.src[rows:, 0] == EOS_ID)  # an added row has something to attend to
+    assert (padded.src_tokens, padded.tgt_tokens) == (batch.src_tokens, batch.tgt_tokens)
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=split.meta["vocab_size"], n_layers=2, d_model=16, d_ff=32, n_heads=2,
+                                    dropout=0.0)).double()  # float64: only reduction order differs
+
+    def loss_and_gradients(b):
+        model.zero_grad()
+        loss, nll = teacher_forced_loss(model, b.src, b.tgt_in, b.tgt_out, 0.1)
+        (loss + nll).backward()
+        return [loss.detach(), nll.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    for got, want in zip(loss_and_gradients(padded), loss_and_gradients(batch)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -17,7 +17,7 @@ import torch
 from aiayn.checkpoint import choose_device, list_checkpoints, load_checkpoint, window_steps
 from aiayn.config import section_defaults
 from aiayn.errors import UserError
-from aiayn.train import TrainingDiverged, TrainJob, label_smoothed_loss, learning_rate, train
+from aiayn.train import TrainingDiverged, TrainJob, learning_rate, train
 
 # the schema's defaults, with a small batch and frequent logging
 TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
@@ -41,21 +41,6 @@ def test_learning_rate_follows_the_paper_at_steps_1_4000_and_100000():
     assert learning_rate(4000, 1024, 4000) == pytest.approx(4.94e-4, rel=1e-3)  # and 4.94e-4 (big)
     assert learning_rate(100000, 512, 4000) == pytest.approx(512 ** -0.5 * 100000 ** -0.5)
     assert learning_rate(3999, 512, 4000) < learning_rate(4000, 512, 4000) > learning_rate(4001, 512, 4000)
-
-
-def test_label_smoothed_loss_matches_a_hand_computed_case():
-    logits = torch.tensor([[[2.0, 0.0, 1.0, -1.0], [0.5, 0.5, 0.5, 0.5]]])
-    target = torch.tensor([[2, 0]])  # the second position is padding (id 0): it must not count
-    log_probs = [2.0 - math.log(math.exp(2) + 1 + math.exp(1) + math.exp(-1)) + d for d in (0, -2, -1, -3)]
-    nll = -log_probs[2]
-    smooth = -sum(log_probs) / 4
-    loss, nll_sum = label_smoothed_loss(logits, target, epsilon=0.1, pad_id=0)
-    assert nll_sum.item() == pytest.approx(nll, rel=1e-6)
-    assert loss.item() == pytest.approx(0.9 * nll + 0.1 * smooth, rel=1e-6)
-    plain, _ = label_smoothed_loss(logits, target, epsilon=0.0, pad_id=0)
-    assert plain.item() == pytest.approx(nll, rel=1e-6)
-    reference = torch.nn.functional.cross_entropy(logits[0, :1], target[0, :1], label_smoothing=0.1)
-    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
 
 
 def test_the_paper_presets_average_their_window_at_the_papers_steps():
@@ -226,30 +211,6 @@ def test_a_sigterm_between_window_checkpoints_averages_the_same_steps_as_an_unin
         assert torch.equal(tensor, averaged[1]["model"][name]), name  # resuming is exact on the CPU
 
 
-def test_label_smoothed_loss_gradient_equals_autograd_through_the_formula():
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 11, generator=generator, dtype=torch.float64)
-    target = torch.randint(1, 11, (2, 5), generator=generator)
-    target[1, 3:] = 0  # padding gets no gradient
-
-    def reference(values):
-        log_probs = values.reshape(-1, 11).log_softmax(dim=-1)
-        keep = (target.reshape(-1) != 0).double()
-        nll = -log_probs.gather(1, target.reshape(-1, 1)).squeeze(1)
-        return (((0.9 * nll - 0.1 * log_probs.mean(dim=-1)) * keep).sum(), (nll * keep).sum())
-
-    for weights in ((1.0, 0.0), (0.7, 0.3)):  # the loss alone, and the loss and the NLL together
-        ours = logits.clone().requires_grad_()
-        theirs = logits.clone().requires_grad_()
-        loss, nll = label_smoothed_loss(ours, target, epsilon=0.1)
-        (weights[0] * loss + weights[1] * nll).backward()
-        expected_loss, expected_nll = reference(theirs)
-        (weights[0] * expected_loss + weights[1] * expected_nll).backward()
-        torch.testing.assert_close(loss, expected_loss)
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
-        assert torch.all(ours.grad[1, 3:] == 0)
-
-
 def test_a_non_finite_gradient_norm_stops_the_run_naming_the_step(prepared, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
     with pytest.raises(TrainingDiverged, match=r"gradient norm became nan at step 1 \(preset tiny\)"):
@@ -362,3 +323,45 @@ def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_so
     assert str(prepared / "bin" / "train") in inputs["train"].dataset.source
     assert [tag.value for tag in inputs["dev"].tags if tag.key == "mlflow.data.context"] == ["validation"]
     assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["git_commit"]
+
+
+def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_matrix_units_and_fp32_elsewhere(monkeypatch):
+    from aiayn.train import resolved_precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for capabilities, expected in (({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, "bf16"),
+                                   ({"avx512_bf16": True, "amx_bf16": False}, "fp32"),
+                                   ({"avx512_f": True, "avx2": True}, "fp32"), ({"architecture": "arm64"}, "fp32")):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda capabilities=capabilities: capabilities)
+        assert resolved_precision("auto", cpu) == expected, capabilities
+        assert resolved_precision("auto", cuda) == "bf16"
+        assert resolved_precision("fp32", cpu) == resolved_precision("fp32", cuda) == "fp32"  # given, it wins
+        assert resolved_precision("bf16", cpu) == resolved_precision("bf16", cuda) == "bf16"
+
+
+def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_shapes(prepared, tmp_path,
+                                                                                        monkeypatch):
+    import torch._dynamo
+    import torch.fx.experimental._config
+    from torch._dynamo.utils import counters
+
+    import aiayn.train
+    from aiayn.batching import padded_to_multiple
+
+    monkeypatch.setattr(aiayn.train, "COMPILE_BACKEND", "aot_eager")  # traced as inductor would, nothing built
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", True)  # restored after the test
+    shapes = []
+
+    def recorded(batch, multiple):
+        padded = padded_to_multiple(batch, multiple)
+        shapes.append((*padded.src.shape, padded.tgt_in.shape[1]))
+        return padded
+
+    monkeypatch.setattr(aiayn.train, "padded_to_multiple", recorded)
+    torch._dynamo.reset()
+    counters.clear()
+    summary = train(job(prepared, tmp_path / "run", steps=12, train={"compile": True, "dev_every": 0}))
+    assert summary["step"] == 12 and math.isfinite(summary["dev_loss"])
+    assert len(set(shapes)) >= 5 and all(size % 8 == 0 for shape in shapes for size in shape)
+    # one graph of the encoder and decoder (the loss stays eager), and the empty one of the frame that calls it
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

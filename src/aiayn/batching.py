@@ -115,6 +115,31 @@ def collate(split, rows: np.ndarray) -> Batch:
     return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out), src_tokens, tgt_tokens)
 
 
+def padded_to_multiple(batch: Batch, multiple: int) -> Batch:
+    """The batch with its rows and both lengths rounded up to multiples of ``multiple``: for
+    torch.compile, few distinct shapes and none of size 1 (which it would compile a graph for).
+
+    Added positions are pads, masked as any other; an added row is a source of one eos (a source of
+    pads alone would leave attention nothing to attend to) and a target of pads. The loss counts only
+    non-pad targets, so it does not change, and nothing flows back from the added rows.
+    """
+    rows, src_len = batch.src.shape
+    tgt_len = batch.tgt_in.shape[1]
+
+    def up(size: int) -> int:
+        return -(-size // multiple) * multiple
+
+    def grown(ids: torch.Tensor, length: int) -> torch.Tensor:
+        out = ids.new_full((up(rows), up(length)), PAD_ID)
+        out[:rows, :length] = ids
+        return out
+
+    src = grown(batch.src, src_len)
+    src[rows:, 0] = EOS_ID
+    return Batch(src, grown(batch.tgt_in, tgt_len), grown(batch.tgt_out, tgt_len), batch.src_tokens,
+                 batch.tgt_tokens)
+
+
 # --- the batch of one optimizer step ------------------------------------------------------
 
 def step_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, tokens_per_step: int, seed: int,

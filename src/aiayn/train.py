@@ -22,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
+from aiayn.batching import (StepShape, collate, length_batches, padded_to_multiple, split_step,
+                            step_batches)
 from aiayn.binarize import load_split
 from aiayn.bpe import PAD_ID
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
@@ -32,6 +34,7 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, 
 from aiayn.config import check_resolved_preset, check_section
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
+from aiayn.loss import TrainingObjective, teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; Snakemake's --retries (or a SLURM requeue) resumes
@@ -55,50 +58,6 @@ def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0
     """docs/PAPER.md, Training: lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)."""
     step = max(step, 1)
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
-
-
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, epsilon: float,
-                        pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed cross-entropy and summed NLL over non-pad target tokens.
-
-    The smoothed target puts 1 - eps on the reference and spreads eps uniformly over the
-    vocabulary (as torch's ``label_smoothing``); one log-softmax serves both sums, and the
-    gradient is the closed form of ``_SmoothedCrossEntropy`` (fewer passes over the logits than
-    autograd's gather, mean and log-softmax backward).
-    """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # fp32 even under autocast
-    logits = logits.reshape(-1, logits.size(-1))  # (tokens, vocab)
-    target = target.reshape(-1)
-    keep = (target != pad_id).to(logits.dtype)
-    return _SmoothedCrossEntropy.apply(logits, target, keep, float(epsilon))
-
-
-class _SmoothedCrossEntropy(torch.autograd.Function):
-    """(tokens, vocab) logits -> (sum of smoothed losses, sum of NLLs) over the tokens where keep is 1.
-
-    Per token, with p = softmax(logits) and y the reference: loss = (1 - eps) * nll + eps * mean_v(-log p_v),
-    so d loss / d logits = p - (1 - eps) * onehot(y) - eps / vocab, and d nll / d logits = p - onehot(y).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, keep, epsilon):
-        log_probs = logits.log_softmax(dim=-1)
-        nll = -log_probs.gather(1, target[:, None]).squeeze(1)
-        smooth = -log_probs.mean(dim=-1)
-        ctx.save_for_backward(log_probs, target, keep)
-        ctx.epsilon = epsilon
-        return ((1.0 - epsilon) * nll + epsilon * smooth).mul(keep).sum(), nll.mul(keep).sum()
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_nll):
-        log_probs, target, keep = ctx.saved_tensors
-        epsilon, vocab = ctx.epsilon, log_probs.shape[1]
-        # The saved log-probs are not needed after this, so the gradient is built in their memory.
-        grad = log_probs.exp_().mul_((keep * (grad_loss + grad_nll))[:, None])
-        grad.sub_((keep * (grad_loss * epsilon / vocab))[:, None])
-        grad.scatter_add_(1, target[:, None], (-keep * (grad_loss * (1.0 - epsilon) + grad_nll))[:, None])
-        return grad, None, None, None
 
 
 def forward_flops(config: ModelConfig, rows: int, src_len: int, tgt_len: int) -> float:
@@ -199,11 +158,51 @@ class Distributed:
         torch.distributed.init_process_group("nccl" if own_gpu else "gloo")
 
 
+
+def cpu_has_bf16_matrix_units() -> bool:
+    """Whether this CPU multiplies bf16 matrices in tiles (Intel AMX), as torch's cpuinfo reports."""
+    return bool(torch.cpu.get_capabilities().get("amx_bf16"))
+
+
+def resolved_precision(precision: str, device: torch.device) -> str:
+    """train.precision on this device: ``fp32`` and ``bf16`` as given; ``auto`` is bf16 autocast on CUDA
+    and on a CPU with AMX, where a whole training step was measured faster in bf16 (BENCHMARKS.md),
+    and fp32 on other CPUs (AVX512-BF16 alone, without the tiles, was not measured)."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matrix_units()):
+        return "bf16"
+    return "fp32"
+
+
+@contextlib.contextmanager
 def autocast_context(device: torch.device, precision: str):
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """bf16 autocast where ``resolved_precision`` says bf16. On the CPU also SDPA's math kernel: torch's
+    CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above all),
+    which would cost a training step more than bf16 matrix products win (BENCHMARKS.md)."""
+    if resolved_precision(precision, device) != "bf16":
+        yield
+        return
+    attention = sdpa_kernel(SDPBackend.MATH) if device.type == "cpu" else contextlib.nullcontext()
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), attention:
+        yield
+
+
+# Under train.compile, micro-batches are padded to multiples of this (rows and lengths).
+COMPILE_MULTIPLE = 8
+COMPILE_BACKEND = "inductor"
+
+
+def compiled(objective, backend: str | None = None):
+    """torch.compile for training, where every micro-batch has another shape: sizes are symbolic
+    from the first call (no graph per shape), and batches padded to ``COMPILE_MULTIPLE`` never have
+    a size of 1, which would be specialised to a graph of its own."""
+    from torch.fx.experimental import _config as shape_config
+
+    # Without this, sizes that happen to be equal in the first batch (rows and a length, say) become
+    # one symbol, and the first batch where they differ compiles the graph again.
+    shape_config.use_duck_shape = False
+    return torch.compile(objective, backend=backend or COMPILE_BACKEND, dynamic=True)
 
 
 # --- training state ----------------------------------------------------------------------
@@ -294,8 +293,8 @@ def evaluate(model: Transformer, split, device: torch.device, precision: str, ma
         for rows in length_batches(split.src_lengths, split.tgt_lengths, max_tokens):
             batch = collate(split, rows).to(device)
             with autocast_context(device, precision):
-                logits = model(batch.src, batch.tgt_in)
-            sums += torch.stack(label_smoothed_loss(logits, batch.tgt_out, epsilon)).double()
+                sums += torch.stack(teacher_forced_loss(model, batch.src, batch.tgt_in, batch.tgt_out,
+                                                        epsilon)).double()
             tokens += batch.tgt_tokens
     model.train(was_training)
     loss_total, nll_total = sums.tolist()
@@ -447,15 +446,17 @@ class Trainer:
         return path
 
     def _wrap(self) -> torch.nn.Module:
-        model: torch.nn.Module = self.model
+        """The model and its loss (``TrainingObjective``), under DDP when there are several processes
+        and compiled when train.compile is set: (src, tgt_in, tgt_out) -> (loss sum, NLL sum)."""
+        objective: torch.nn.Module = TrainingObjective(self.model, self.settings.label_smoothing)
         if self.world > 1:
             # the sinusoid table is the only buffer and never changes: nothing to broadcast
-            model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            objective = torch.nn.parallel.DistributedDataParallel(
+                objective, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 broadcast_buffers=False)
         if self.settings.compile:
-            model = torch.compile(model)
-        return model
+            objective = compiled(objective)
+        return objective
 
     def _start_tracking(self):
         from aiayn.tracking import Tracker, flatten, git_commit, git_tags
@@ -487,14 +488,16 @@ class Trainer:
         mine = [(index, rows) for index, rows in enumerate(micro) if index % world == self.dist.rank]
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, nll
         for position, (index, rows) in enumerate(mine):
-            batch = collate(self.train_split, rows).to(self.device)
+            batch = collate(self.train_split, rows)
+            if settings.compile:
+                batch = padded_to_multiple(batch, COMPILE_MULTIPLE)
+            batch = batch.to(self.device)
             torch.manual_seed(micro_batch_seed(settings.seed, step, index))
             last = position == len(mine) - 1
             sync = contextlib.nullcontext() if (world == 1 or last) else self.training_model.no_sync()
             with sync:
                 with autocast_context(self.device, settings.precision):
-                    logits = self.training_model(batch.src, batch.tgt_in)
-                loss, nll = label_smoothed_loss(logits, batch.tgt_out, settings.label_smoothing)
+                    loss, nll = self.training_model(batch.src, batch.tgt_in, batch.tgt_out)
                 # DDP averages gradients over processes; scale so that the result is the sum
                 # over the whole step's target tokens divided by their number.
                 (loss * (world / shape.real_tgt)).backward()
