@@ -42,6 +42,7 @@ def learn_bpe(
     # random temporary one) makes two runs of the same stage write the same bytes.
     work = out_dir / ".spm-training"
     shutil.rmtree(work, ignore_errors=True)  # a killed run's leftovers; one bpe job writes out_dir at a time
+    created = not out_dir.exists()
     work.mkdir(parents=True)
     try:
         prefix = str(work / "spm")
@@ -77,6 +78,8 @@ def learn_bpe(
                 shutil.copyfile(f"{prefix}.{suffix}", tmp_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not any(out_dir.iterdir()):  # a failed run leaves no output folder behind
+            out_dir.rmdir()
     info = {
         "vocab_size": vocab_size,
         "model_type": "bpe",
