@@ -123,7 +123,7 @@ ddp() {
   local bin=results/gpu_check/bin
   [ -f "$DAG/$bin/train/meta.json" ] || dag "$bin/train" || return
   t "$PYTHON" bench/gpu_check.py ddp --workdir "$DAG" --configs "${CONFIGS[@]}" --preset gpu_base \
-    --steps $DDP_STEPS --procs 2 --device "$DEVICE"
+    --steps $DDP_STEPS --procs 2 --device "$DEVICE" --seconds $((PART_END - SECONDS - 15))
 }
 part "3. DDP: 1 process, then 2 under torchrun sharing one $DEVICE" $T_DDP ddp
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -99,14 +101,18 @@ def ddp(args: argparse.Namespace) -> int:
               "--seed", "1", "--train-data", str(results / "bin" / "train"),
               "--spm-model", str(results / "bpe" / "spm.model"), "--no-tracking", "--threads", str(args.threads)]
     per_step = {}
+    began = time.perf_counter()
     for world in (1, args.procs):  # --processes N > 1: aiayn train relaunches itself under torchrun
         run_dir = workdir / "ddp" / f"world{world}"
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "train.log"
         start = time.perf_counter()
-        with log.open("w") as handle:
-            status = subprocess.run([*common, "--processes", str(world), "--run-dir", str(run_dir)], stdout=handle,
-                                    stderr=subprocess.STDOUT).returncode
+        left = None if args.seconds is None else args.seconds - (time.perf_counter() - began)
+        status = run_with_stacks_on_timeout([*common, "--processes", str(world), "--run-dir", str(run_dir)], log, left)
+        if status is None:
+            print(f"{world} process(es): still running after {time.perf_counter() - start:.0f} s, stopped; every "
+                  f"process's Python stacks at that moment, then the end of {log}:\n{log.read_text()[-6000:]}")
+            return 124
         if status != 0:
             print(f"{world} process(es): exit status {status}; the end of {log}:\n{log.read_text()[-3000:]}")
             return 1
@@ -120,6 +126,27 @@ def ddp(args: argparse.Namespace) -> int:
     same = per_step[1] == per_step[args.procs]
     print(f"DDP: {'the same' if same else 'DIFFERENT'} real tokens per step in 1 and {args.procs} processes")
     return 0 if same else 1
+
+
+def run_with_stacks_on_timeout(command: list[str], log: Path, seconds: float | None) -> int | None:
+    """Run ``command`` in a process group of its own, output to ``log``; its exit status, or None if it
+    was still running after ``seconds``: then every Python process in the group (the launcher, torchrun,
+    the workers) is sent SIGABRT, which faulthandler turns into its thread stacks in ``log``, so a hang
+    says where it hung."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    with log.open("w") as handle:
+        child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return child.wait(timeout=None if seconds is None else max(seconds, 1))
+        except subprocess.TimeoutExpired:
+            for sig, grace in ((signal.SIGABRT, 5), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(child.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(grace)
+            child.wait()
+            return None
 
 
 def main(argv=None) -> int:
@@ -141,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=None,
+                   help="stop both runs after this long in all, showing where each process was")
     args = parser.parse_args(argv)
     return {"matmul": matmul, "summary": summary, "ddp": ddp}[args.command](args)
 

@@ -145,6 +145,29 @@ def test_gloo_processes_train_on_the_same_tokens_and_reach_the_same_weights_as_o
     assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "several"))
 
 
+def test_processes_on_one_node_meet_on_loopback_where_the_host_name_does_not_resolve(prepared, tmp_path):
+    # torchrun publishes the host's name for the workers to meet at; where that name does not resolve
+    # (a container without its name in /etc/hosts) they used to wait for the whole rendezvous timeout
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import socket\nsocket.gethostname = lambda: 'aiayn-no-such-host.invalid'\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    preset = tiny_preset(steps=2, checkpoint_steps=2, keep_checkpoints=1, average_last=1, gpus=2)
+    section = {**TRAIN_SECTION, "tokens_per_step": 1200, "device_tokens": 300}
+    command = _train_command(prepared, tmp_path / "run", preset, section, "--processes", "2")
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
+    try:
+        output, _ = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+        pytest.fail(f"2 processes still training after 120 s:\n{output[-3000:]}")
+    assert child.returncode == 0, output[-3000:]
+    assert json.loads((tmp_path / "run" / "final.json").read_text())["world_size"] == 2
+
+
 def assert_same_weights(a, b):
     """Equal within float tolerance; key biases are left out: their true gradient is zero (softmax does
     not change when a constant is added to every score), so Adam turns rounding noise into steps."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -450,10 +451,14 @@ class Trainer:
         and compiled when train.compile is set: (src, tgt_in, tgt_out) -> (loss sum, NLL sum)."""
         objective: torch.nn.Module = TrainingObjective(self.model, self.settings.label_smoothing)
         if self.world > 1:
-            # the sinusoid table is the only buffer and never changes: nothing to broadcast
-            objective = torch.nn.parallel.DistributedDataParallel(
-                objective, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False)
+            # the sinusoid table is the only buffer and never changes: nothing to send each step
+            # (torch 2.13 renamed the switch; the GPU image's torch has the old name only)
+            ddp = torch.nn.parallel.DistributedDataParallel
+            no_buffer_sync = ({"forward_sync_buffers": False}
+                              if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+                              else {"broadcast_buffers": False})
+            objective = ddp(objective, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                            **no_buffer_sync)
         if self.settings.compile:
             objective = compiled(objective)
         return objective
@@ -719,10 +724,13 @@ def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path) -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=run_dir, prefix=".torchrun-") as scratch:
         status_file = Path(scratch) / "status"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                   "-m", "aiayn.train", *argv]
+        # all workers are on this node: meet on loopback, not at whatever the host name resolves to
+        # (a name that does not resolve left the workers waiting for a rendezvous that never came)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+                   f"--nproc_per_node={processes}", "-m", "aiayn.train", *argv]
         print(f"training as {processes} processes: {' '.join(command)}", file=sys.stderr, flush=True)
-        child = subprocess.Popen(command, env={**os.environ, "AIAYN_STATUS_FILE": str(status_file)})
+        loopback = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}  # gloo's own lookup too
+        child = subprocess.Popen(command, env={**loopback, **os.environ, "AIAYN_STATUS_FILE": str(status_file)})
         forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         try:
