@@ -146,12 +146,18 @@ def test_padding_to_a_multiple_changes_neither_the_loss_nor_the_gradients(prepar
     model = Transformer(ModelConfig(vocab_size=split.meta["vocab_size"], n_layers=2, d_model=16, d_ff=32, n_heads=2,
                                     dropout=0.0)).double()  # float64: only reduction order differs
 
-    def loss_and_gradients(b):
+    # the non-pad target positions, found on the host (the loss is given them rather than asking a GPU)
+    for b in (batch, padded):
+        assert len(b.tgt_real) == b.tgt_tokens and torch.all(b.tgt_out.reshape(-1)[b.tgt_real] != PAD_ID)
+
+    def loss_and_gradients(b, real):
         model.zero_grad()
-        loss, nll = teacher_forced_loss(model, b.src, b.tgt_in, b.tgt_out, 0.1)
+        loss, nll = teacher_forced_loss(model, b.src, b.tgt_in, b.tgt_out, 0.1, tgt_real=real)
         (loss + nll).backward()
         return [loss.detach(), nll.detach()] + [p.grad.clone() for p in model.parameters()]
 
-    for got, want in zip(loss_and_gradients(padded), loss_and_gradients(batch)):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    want = loss_and_gradients(batch, None)
+    for got in (loss_and_gradients(padded, padded.tgt_real), loss_and_gradients(batch, batch.tgt_real)):
+        for value, expected in zip(got, want):
+            assert torch.isfinite(value).all()
+            torch.testing.assert_close(value, expected, rtol=1e-10, atol=1e-12)

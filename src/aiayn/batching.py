@@ -72,14 +72,33 @@ class Batch:
     tgt_out: torch.Tensor  # (rows, tgt_len) ids + eos, right-padded
     src_tokens: int        # real (non-pad) tokens
     tgt_tokens: int
+    tgt_real: torch.Tensor | None = None  # (tgt_tokens,) where tgt_out.flatten() is not pad, found on the host
+
+    def __post_init__(self) -> None:
+        if self.tgt_real is None:
+            self.tgt_real = real_positions(self.tgt_out)
 
     @property
     def padded_tokens(self) -> int:
         return self.src.numel() + self.tgt_in.numel()
 
     def to(self, device) -> "Batch":
-        return Batch(self.src.to(device, non_blocking=True), self.tgt_in.to(device, non_blocking=True),
-                     self.tgt_out.to(device, non_blocking=True), self.src_tokens, self.tgt_tokens)
+        """On ``device``; to a GPU from pinned memory, so that no copy waits for the GPU's queue."""
+        device = torch.device(device)
+
+        def moved(tensor: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda" and tensor.device.type == "cpu":
+                tensor = tensor.pin_memory()
+            return tensor.to(device, non_blocking=True)
+
+        return Batch(moved(self.src), moved(self.tgt_in), moved(self.tgt_out), self.src_tokens, self.tgt_tokens,
+                     moved(self.tgt_real))
+
+
+def real_positions(tgt_out: torch.Tensor) -> torch.Tensor:
+    """The flat positions of ``tgt_out``'s non-pad tokens. Found where the batch is built (on the
+    host), they let the loss skip pads without asking the GPU which tokens they are."""
+    return tgt_out.reshape(-1).ne(PAD_ID).nonzero().squeeze(1)
 
 
 def _pad_rows(ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, prefix: int | None, suffix: int | None) -> np.ndarray:

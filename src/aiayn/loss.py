@@ -68,18 +68,21 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 # which would compile a graph for every count.
 @torch.compiler.disable
 def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, target: Tensor, epsilon: float,
-                                  pad_id: int = PAD_ID, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+                                  pad_id: int = PAD_ID, chunk_tokens: int | None = None,
+                                  real: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``label_smoothed_loss(F.linear(hidden, weight), target, epsilon)``, a chunk of tokens at a time.
 
     hidden (..., d_model), weight (vocab, d_model) the shared embedding (Section 3.4: the pre-softmax
-    layer, no bias), target (...). Pad targets are dropped before the product (on a GPU, finding them
-    is one synchronisation a call). Under autocast the products run in autocast's dtype and the
+    layer, no bias), target (...). Pad targets are dropped before the product: ``real`` gives the flat
+    positions of the others (``Batch.tgt_real``, found on the host); without it they are found here,
+    which on a GPU waits for it once a call. Under autocast the products run in autocast's dtype and the
     softmax and sums in fp32, as on the plain path.
     ``chunk_tokens`` defaults to the tokens whose logits fit ``CHUNK_ELEMENTS``.
     """
     hidden = hidden.reshape(-1, hidden.size(-1))  # (tokens, d_model)
     target = target.reshape(-1)
-    real = target.ne(pad_id).nonzero().squeeze(1)
+    if real is None:
+        real = target.ne(pad_id).nonzero().squeeze(1)
     hidden, target = hidden.index_select(0, real), target.index_select(0, real)
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
     # The forward pass prepares only the gradients that backward will be asked for (none in validation).
@@ -171,13 +174,14 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
 
 
 def teacher_forced_loss(model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, epsilon: float,
-                        chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+                        chunk_tokens: int | None = None, tgt_real: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The training objective of one batch: (sum of label-smoothed losses, sum of NLLs) over its
-    non-pad target tokens, from the model's encoder and decoder and its shared embedding."""
+    non-pad target tokens (at ``tgt_real`` if given), from the model's encoder and decoder and its
+    shared embedding."""
     memory, src_pad = model.encode(src)
     hidden = model.decode(tgt_in, memory, src_pad)  # (batch, tgt_len, d_model)
     return projected_label_smoothed_loss(hidden, model.embedding.weight, tgt_out, epsilon,
-                                         model.config.pad_id, chunk_tokens)
+                                         model.config.pad_id, chunk_tokens, tgt_real)
 
 
 class TrainingObjective(nn.Module):
@@ -193,5 +197,6 @@ class TrainingObjective(nn.Module):
         self.epsilon = epsilon
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
-        return teacher_forced_loss(self.model, src, tgt_in, tgt_out, self.epsilon, self.chunk_tokens)
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor,
+                tgt_real: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return teacher_forced_loss(self.model, src, tgt_in, tgt_out, self.epsilon, self.chunk_tokens, tgt_real)

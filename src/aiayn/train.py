@@ -294,8 +294,8 @@ def evaluate(model: Transformer, split, device: torch.device, precision: str, ma
         for rows in length_batches(split.src_lengths, split.tgt_lengths, max_tokens):
             batch = collate(split, rows).to(device)
             with autocast_context(device, precision):
-                sums += torch.stack(teacher_forced_loss(model, batch.src, batch.tgt_in, batch.tgt_out,
-                                                        epsilon)).double()
+                sums += torch.stack(teacher_forced_loss(model, batch.src, batch.tgt_in, batch.tgt_out, epsilon,
+                                                        tgt_real=batch.tgt_real)).double()
             tokens += batch.tgt_tokens
     model.train(was_training)
     loss_total, nll_total = sums.tolist()
@@ -502,7 +502,7 @@ class Trainer:
             sync = contextlib.nullcontext() if (world == 1 or last) else self.training_model.no_sync()
             with sync:
                 with autocast_context(self.device, settings.precision):
-                    loss, nll = self.training_model(batch.src, batch.tgt_in, batch.tgt_out)
+                    loss, nll = self.training_model(batch.src, batch.tgt_in, batch.tgt_out, batch.tgt_real)
                 # DDP averages gradients over processes; scale so that the result is the sum
                 # over the whole step's target tokens divided by their number.
                 (loss * (world / shape.real_tgt)).backward()
