@@ -11,7 +11,9 @@ aiayn.loss. `transformers` is only needed for the peer:
     PYTHONPATH=src /tmp/benchvenv/bin/python bench/train_cpu.py            # CPU, base size
     PYTHONPATH=src python bench/train_cpu.py --device cuda --preset big --tokens 25000 --no-peer
 
-The last line is `ratio=<ours/peer>` (target tokens per second) for the precision at which ours
+Each precision's line also gives our step over its matmul floor (the step's linear-layer products
+alone, timed at its shapes: see ``matmul_rate``) and, where the device's peak is known, model FLOPs
+utilisation of the sentences' own FLOPs and of the padded batch's. The last line is `ratio=<ours/peer>` (target tokens per second) for the precision at which ours
 is fastest, or `ratio=nan` without a peer.
 """
 
@@ -120,7 +122,7 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True if device == "cuda" else None)
-    times, tokens, flops = [], [], []
+    times, tokens, flops, real_flops = [], [], [], []
     for index, (src, tgt_in, tgt_out) in enumerate(batches):
         src, tgt_in, tgt_out = src.to(device), tgt_in.to(device), tgt_out.to(device)
 
@@ -139,13 +141,23 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
             times.append(elapsed)
             tokens.append(int((tgt_out != 0).sum()))
             flops.append(3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)))
+            real_flops.append(3 * sentence_flops(config, src, tgt_out))
     rates = [t / s for t, s in zip(tokens, times)]
     result = {"tokens_per_second": statistics.median(rates), "step_seconds": statistics.median(times),
-              "flops_per_second": statistics.median([f / s for f, s in zip(flops, times)])}
+              "flops_per_second": statistics.median([f / s for f, s in zip(flops, times)]),
+              "real_flops_per_second": statistics.median([f / s for f, s in zip(real_flops, times)])}
     del model, optimizer
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def sentence_flops(config: ModelConfig, src: torch.Tensor, tgt_out: torch.Tensor) -> float:
+    """The forward FLOPs of a batch's sentences each at its own length: the model's useful work,
+    without what padding adds (forward_flops counts the padded batch, as the hardware does it)."""
+    src_lengths = (src != 0).sum(dim=1).tolist()
+    tgt_lengths = (tgt_out != 0).sum(dim=1).tolist()
+    return sum(forward_flops(config, 1, s, t) for s, t in zip(src_lengths, tgt_lengths))
 
 
 def matmul_rate(config: ModelConfig, tokens: int, device: str, precision: str, repeats: int = 3) -> float:
@@ -179,8 +191,9 @@ def matmul_rate(config: ModelConfig, tokens: int, device: str, precision: str, r
 def describe(measured: dict, peak: float | None, project_steps: int) -> str:
     """tokens/s and seconds a step; MFU when the device's peak is known; the hours for project_steps steps."""
     text = f"{measured['tokens_per_second']:.0f} tok/s ({measured['step_seconds']:.3f} s/step)"
-    if peak:
-        text += f", MFU {measured['flops_per_second'] / peak:.1%}"
+    if peak:  # model FLOPs utilisation: the sentences' own FLOPs, then the padded batch's
+        text += (f", MFU {measured['real_flops_per_second'] / peak:.1%} "
+                 f"({measured['flops_per_second'] / peak:.1%} counting pads)")
     if project_steps:
         text += f", {project_steps} steps = {project_steps * measured['step_seconds'] / 3600:.1f} h"
     return text
@@ -203,6 +216,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=None,
                         help="target tokens per chunk of our output projection and loss (default: the trainer's, "
                              "aiayn.loss.CHUNK_ELEMENTS / vocab)")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip timing the step's matrix products alone (the floor that step/floor divides by)")
     parser.add_argument("--project-steps", type=int, default=0,
                         help="also print the hours this many steps would take at the measured speed")
     args = parser.parse_args(argv)
@@ -232,20 +247,23 @@ def main(argv=None) -> int:
             ours_compiled = measure(ours_build, config, batches, args.device, precision, args.warmup, args.compile_backend)
             line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
             if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
-                ours = ours_compiled
+                ours = {**ours_compiled, "which": "compiled"}
         ratio = float("nan")
         if peer:
             marian = measure(build_marian, config, batches, args.device, precision, args.warmup)
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
-        if peer and args.device == "cpu":
+        if not args.no_floor:
             timed = batches[args.warmup:]
             tokens = int(statistics.median(int(src.numel()) for src, _, _ in timed))
             rate = matmul_rate(config, tokens, args.device, precision)
             floor = statistics.median(
                 3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)) / rate for src, tgt_in, _ in timed)
             line += (f"; the matmuls alone at the step's shapes run at {rate / 1e9:.0f} GFLOP/s, a step of nothing "
-                     f"but them would take {floor:.2f} s: at most ratio {marian['step_seconds'] / floor:.2f}")
+                     f"but them would take {floor:.3f} s: ours{' ' + ours['which'] if 'which' in ours else ''} "
+                     f"step/floor {ours['step_seconds'] / floor:.2f}")
+            if peer:
+                line += f", marian's {marian['step_seconds'] / floor:.2f}"
         print(line, flush=True)
         if best is None or ours["tokens_per_second"] > best[0]:
             best = (ours["tokens_per_second"], ratio)

@@ -65,6 +65,7 @@ def test_training_throughput_prints_eager_before_compiled_with_projected_hours(c
         eager = re.search(rf"bf16: ours \d+ tok/s \([\d.]+ s/step\), {steps} steps = [\d.]+ h", out)
         compiled = re.search(rf"bf16: ours compiled \(eager\) \d+ tok/s .*{steps} steps = ", out)
         assert eager and compiled and eager.start() < compiled.start()
+    assert len(re.findall(r"would take [\d.]+ s: ours( compiled)? step/floor [\d.]+", out)) == 2  # base and big
 
 
 def test_decoding_speed_is_printed(cpu_check):
