@@ -257,9 +257,24 @@ def _train_command(prepared, run_dir, preset, section, *extra):
             "--run-dir", str(run_dir), *extra]
 
 
-def _run(command, **kwargs):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, **kwargs)
+def _run(command, timeout=300):
+    """The command's CompletedProcess; one still running after ``timeout`` seconds fails the test with
+    every Python process's stacks (faulthandler, on SIGABRT to its process group: torchrun and workers)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGABRT)
+        time.sleep(5)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = child.communicate()
+        pytest.fail(f"still running after {timeout} s: {command[:4]}...; stacks and output:\n{stderr[-8000:]}")
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
 
 
 def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(prepared, tmp_path):

@@ -208,14 +208,22 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
                for root in (uninterrupted, restarted)]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
+    # demo_nopos trains to a time budget, so how many steps it makes depends on the clock, not on the
+    # interruption: its rows and files are left out of the comparison
     for table, columns in (("table2", ["preset", "test_bleu_tok", "test_sacrebleu"]),
                            ("table3", ["preset", "params", "dev_ppl", "dev_bleu_tok", "dev_sacrebleu",
                                        "bootstrap_p_vs_base"])):
         frames = [pd.read_csv(root / "report" / f"{table}.csv")[columns] for root in (uninterrupted, restarted)]
+        frames = [frame[frame["preset"] != TIME_BUDGETED].reset_index(drop=True) for frame in frames]
+        assert list(frames[0]["preset"]) == ["demo_base"]
         pd.testing.assert_frame_equal(frames[0], frames[1])
     # Every other output has the bytes of the uninterrupted run's, but for what records time or
     # identity by design (README, "What each stage writes").
-    assert different_outputs(uninterrupted, restarted) == []
+    differing = different_outputs(uninterrupted, restarted)
+    assert [name for name in differing if f"/{TIME_BUDGETED}/" not in f"/{name}"] == []
+
+
+TIME_BUDGETED = "demo_nopos"  # the preset of the shared override with a time budget (max_minutes)
 
 
 # What two runs of the DAG may write differently (README, "What each stage writes"): logs, the training

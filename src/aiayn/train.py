@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import inspect
 import json
 import math
@@ -651,7 +652,17 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.end(status)
             if self.world > 1 and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+                self.leave_process_group(everyone_here=status in ("FINISHED", "KILLED"))
+
+    def leave_process_group(self, everyone_here: bool) -> None:
+        """Take the process group down while every peer still holds its own. DDP's reducer keeps the
+        group alive past ``destroy_process_group``; freed later, once a peer had exited, gloo's
+        destructor waited for its threads for ever (seen as a hang at the end of a finished run)."""
+        if everyone_here:  # the end and a preemption are agreed by a vote: all processes are here
+            torch.distributed.barrier()
+        self.training_model = None
+        gc.collect()
+        torch.distributed.destroy_process_group()
 
     def finish(self) -> dict:
         """The final dev evaluation, ``final.pt`` and ``final.json`` (rank 0)."""
