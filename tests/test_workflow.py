@@ -220,10 +220,11 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
     # Every other output has the bytes of the uninterrupted run's, but for what records time or
     # identity by design (README, "What each stage writes").
     differing = different_outputs(uninterrupted, restarted)
-    assert [name for name in differing if f"/{TIME_BUDGETED}/" not in f"/{name}"] == []
+    assert [name for name in differing if f"/{TIME_BUDGETED}/" not in f"/{name}" and name not in EVERY_PRESET] == []
 
 
 TIME_BUDGETED = "demo_nopos"  # the preset of the shared override with a time budget (max_minutes)
+EVERY_PRESET = ("report/dev_ppl.png", "report/table3_bleu.png")  # figures that draw the time-budgeted one too
 
 
 # What two runs of the DAG may write differently (README, "What each stage writes"): logs, the training
