@@ -62,3 +62,42 @@ def test_a_rerun_writes_the_same_model_bytes_and_leaves_no_training_folder(prepa
     (tmp_path / "bpe" / ".spm-training").mkdir()  # as a killed run would leave it
     assert run() == first
     assert sorted(path.name for path in (tmp_path / "bpe").iterdir()) == ["bpe.json", "spm.model", "spm.vocab"]
+
+
+@pytest.mark.parametrize("sample", [0, 500])
+def test_reading_through_python_for_the_progress_bar_learns_what_sentencepieces_reader_would(prepared, tmp_path, sample):
+    """The stage feeds SentencePiece the lines from Python (so that it can count them on a progress bar);
+    the vocabulary must be the one SentencePiece learns reading the same files itself, sampled or whole."""
+    import sentencepiece as spm
+
+    from aiayn.bpe import vocab_fingerprint
+
+    files = [prepared / "data" / "train.en", prepared / "data" / "train.de"]
+    ours = learn_bpe(files, tmp_path / "ours", vocab_size=120, input_sentence_size=sample, seed=7, threads=1)
+    spm.set_random_generator_seed(7)
+    spm.SentencePieceTrainer.train(
+        input=",".join(str(p) for p in files), model_prefix=str(tmp_path / "direct"), model_type="bpe",
+        vocab_size=120, character_coverage=1.0, input_sentence_size=sample, shuffle_input_sentence=True,
+        num_threads=1, pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_piece="<pad>",
+        unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", normalization_rule_name="identity", minloglevel=2)
+    assert ours["fingerprint"] == vocab_fingerprint(tmp_path / "direct.model")
+    assert (tmp_path / "ours" / "spm.vocab").read_bytes() == (tmp_path / "direct.vocab").read_bytes()
+
+
+def test_the_bpe_stage_counts_the_lines_it_reads_on_a_progress_bar(prepared, tmp_path):
+    from aiayn.bpe import training_lines
+
+    class Bar:
+        counted, closed = 0, False
+
+        def update(self, lines):
+            self.counted += lines
+
+        def close(self):
+            self.closed = True
+
+    files = [prepared / "data" / "train.en", prepared / "data" / "train.de"]
+    bar = Bar()
+    lines = list(training_lines(files, bar))
+    expected = [line.encode() for path in files for line in path.read_text(encoding="utf-8").split("\n")[:-1]]
+    assert lines == expected and bar.counted == len(expected) and bar.closed

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (
@@ -18,6 +19,7 @@ from aiayn.fileio import (
 )
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+PROGRESS_EVERY = 65536  # lines between updates of the progress bar
 
 
 def learn_bpe(
@@ -31,9 +33,10 @@ def learn_bpe(
 ) -> dict:
     """Train the shared vocabulary; write ``spm.model``, ``spm.vocab`` and ``bpe.json`` into ``out_dir``."""
     import sentencepiece as spm
+    from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    check_training_text(train_files)
+    lines = check_training_text(train_files)
     if threads is not None and threads < 1:
         raise UserError(f"--threads {threads} must be at least 1")
     prepare_output(out_dir, directory=True)
@@ -47,21 +50,22 @@ def learn_bpe(
     try:
         prefix = str(work / "spm")
         try:
-            spm.SentencePieceTrainer.train(
-                input=",".join(str(p) for p in train_files),
-                model_prefix=prefix,
-                model_type="bpe",
-                vocab_size=vocab_size,
-                character_coverage=character_coverage,
-                input_sentence_size=input_sentence_size,
-                shuffle_input_sentence=True,
-                num_threads=threads or os.cpu_count() or 1,
-                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-                # identity: decoding gives back exactly the text, so BLEU sees the real characters
-                normalization_rule_name="identity",
-                minloglevel=2,
-            )
+            with tqdm(total=lines, desc="bpe: reading", unit=" lines", mininterval=2.0, disable=None) as progress:
+                spm.SentencePieceTrainer.train(
+                    sentence_iterator=training_lines(train_files, progress),
+                    model_prefix=prefix,
+                    model_type="bpe",
+                    vocab_size=vocab_size,
+                    character_coverage=character_coverage,
+                    input_sentence_size=input_sentence_size,
+                    shuffle_input_sentence=True,
+                    num_threads=threads or os.cpu_count() or 1,
+                    pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                    pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                    # identity: decoding gives back exactly the text, so BLEU sees the real characters
+                    normalization_rule_name="identity",
+                    minloglevel=2,
+                )
         except RuntimeError as error:
             message = str(error)
             limit = re.search(r"<= (\d+)", message)
@@ -96,20 +100,41 @@ def learn_bpe(
     return info
 
 
-def check_training_text(train_files: list[str | Path]) -> None:
+def check_training_text(train_files: list[str | Path]) -> int:
     """Every file UTF-8 text with at least one line, checked whole before SentencePiece reads it: it
-    fails on a directory or an empty file with a traceback, and takes bytes that are not UTF-8 silently."""
+    fails on a directory or an empty file with a traceback, and takes bytes that are not UTF-8 silently.
+    Returns the number of lines in all."""
+    lines = 0
     for path in train_files:
         if not Path(path).exists():
             raise UserError(f"{path}: training text not found (run the download stage first)")
         with open(check_input_path(path), "rb") as handle:
             if handle.read(2) == GZIP_MAGIC:  # SentencePiece reads plain files only
                 raise UserError(f"{path}: gzip-compressed; the bpe stage reads plain text: gunzip -k {path}")
-        if not count_lines(path):  # and every check of aiayn.fileio: encodings, line endings
+        count = count_lines(path)  # and every check of aiayn.fileio: encodings, line endings
+        lines += count
+        if not count:
             raise UserError(
                 f"{path} is empty: there is no text to learn a vocabulary from (a shared vocabulary needs both "
                 "sides of the training data; check the download stage's output and its log)"
             )
+    return lines
+
+
+def training_lines(train_files: list[str | Path], progress) -> Iterator[bytes]:
+    """The files' lines as SentencePiece's own reader gives them (split at newlines only, which it drops),
+    counted on ``progress``: read through Python, the minutes of reading at WMT size get a progress bar."""
+    for path in train_files:
+        done = 0
+        with open(path, "rb") as handle:
+            for line in handle:
+                yield line[:-1] if line.endswith(b"\n") else line
+                done += 1
+                if done == PROGRESS_EVERY:
+                    progress.update(done)
+                    done = 0
+        progress.update(done)
+    progress.close()  # what follows, SentencePiece's merges, reports nothing while it runs
 
 
 def vocab_fingerprint(model_path: str | Path) -> str:
