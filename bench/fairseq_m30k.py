@@ -50,8 +50,9 @@ def our_config(data: Path, steps: int, every: int, threads: int, tokens_per_step
         "presets": {"parity": {
             "inherit": "m30k_base", "n_heads": 4, "d_head": 64, "d_value": 64, "dropout": 0.1,
             "label_smoothing": 0.1, "steps": steps, "warmup_steps": WARMUP,
-            "lr_scale": PEAK_LR * math.sqrt(D_MODEL * WARMUP), "checkpoint_steps": steps, "average_last": 1,
-            "keep_checkpoints": 1, "runtime_minutes": 600}},
+            "lr_scale": PEAK_LR * math.sqrt(D_MODEL * WARMUP), "average_last": 1, "runtime_minutes": 600,
+            # a checkpoint at every dev evaluation, kept, for bench/lengths.py to decode early models
+            "checkpoint_steps": every, "keep_checkpoints": max(1, steps // every)}},
     }
 
 
@@ -155,10 +156,12 @@ def main(argv=None) -> int:
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, target)
     (work / "parity.yaml").write_text(yaml.safe_dump(
         our_config(data, args.steps, args.every, args.threads, args.tokens_per_step, 128), sort_keys=False))
-    snakemake = [sys.executable, "-m", "snakemake", "--cores", str(args.threads), "--configfile",
-                 "config/multi30k.yaml", "parity.yaml"]
+    def snakemake(*targets: Path) -> list[str]:  # the targets first: --configfile takes every word after it
+        return [sys.executable, "-m", "snakemake", *map(str, targets), "--cores", str(args.threads),
+                "--configfile", "config/multi30k.yaml", "parity.yaml"]
+
     run = Path("results/parity")
-    subprocess.run(snakemake + [str(run / "bpe/spm.model"), str(run / "bin/train"), str(run / "bin/dev")],
+    subprocess.run(snakemake(run / "bpe/spm.model", run / "bin/train", run / "bin/dev"),
                    cwd=work, env=env, check=True, stdout=subprocess.DEVNULL)
 
     fs = work / "fairseq"
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     started = time.time()
-    ours_cmd = snakemake + [str(run / "train/parity/seed1/final.json")]
+    ours_cmd = snakemake(run / "train/parity/seed1/final.json")
     theirs_cmd = [args.fairseq_python, "-m", "fairseq_cli.train"] + fairseq_train_args(
         fs / "bin", fs / "save", args.steps, args.every, args.max_tokens)
     fs_log = open(fs / "train.log", "w")

@@ -361,14 +361,16 @@ def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_so
     assert str(prepared / "bin" / "train") in inputs["train"].dataset.source
     assert [tag.value for tag in inputs["dev"].tags if tag.key == "mlflow.data.context"] == ["validation"]
     assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["git_commit"]
+    assert run.data.tags["precision"] == summary["precision"] == "fp32"  # what train.precision became here
 
 
-def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_matrix_units_and_fp32_elsewhere(monkeypatch):
+def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_instructions_and_fp32_elsewhere(monkeypatch):
     from aiayn.train import resolved_precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     for capabilities, expected in (({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, "bf16"),
-                                   ({"avx512_bf16": True, "amx_bf16": False}, "fp32"),
+                                   ({"avx512_bf16": True, "amx_bf16": False}, "bf16"),
+                                   ({"avx512_bf16": False, "avx512_f": True, "amx_bf16": False}, "fp32"),
                                    ({"avx512_f": True, "avx2": True}, "fp32"), ({"architecture": "arm64"}, "fp32")):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda capabilities=capabilities: capabilities)
         assert resolved_precision("auto", cpu) == expected, capabilities

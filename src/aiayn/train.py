@@ -162,14 +162,16 @@ class Distributed:
 
 
 def cpu_has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in tiles (Intel AMX), as torch's cpuinfo reports."""
-    return bool(torch.cpu.get_capabilities().get("amx_bf16"))
+    """Whether this CPU has bf16 dot-product instructions, as torch's cpuinfo reports: Intel AMX tiles
+    (``amx_bf16``) or AVX512-BF16 (``avx512_bf16``: Cooper Lake, AMD Zen 4 and later)."""
+    capabilities = torch.cpu.get_capabilities()
+    return bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
 
 
 def resolved_precision(precision: str, device: torch.device) -> str:
     """train.precision on this device: ``fp32`` and ``bf16`` as given; ``auto`` is bf16 autocast on CUDA
-    and on a CPU with AMX, where a whole training step was measured faster in bf16 (BENCHMARKS.md),
-    and fp32 on other CPUs (AVX512-BF16 alone, without the tiles, was not measured)."""
+    and on a CPU with AMX or AVX512-BF16, where a whole training step was measured faster in bf16
+    (BENCHMARKS.md: AMX on an Intel Xeon, AVX512-BF16 on an AMD EPYC), and fp32 on other CPUs."""
     if precision != "auto":
         return precision
     if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matrix_units()):
@@ -475,8 +477,8 @@ class Trainer:
         commit = git_commit()
         tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": commit,
                 "data_fingerprint": self.data_fingerprint, "vocab_fingerprint": self.vocab_fingerprint,
-                "device": self.device_name, "table": job.preset.get("paper", {}).get("table", ""), "stage": "train",
-                **git_tags(commit)}
+                "device": self.device_name, "precision": resolved_precision(job.train_section["precision"], self.device),
+                "table": job.preset.get("paper", {}).get("table", ""), "stage": "train", **git_tags(commit)}
         datasets = [("train", self.data_fingerprint, str(job.train_data), "training")]
         if self.dev_split is not None:
             datasets.append(("dev", self.dev_split.meta.get("data_fingerprint", ""), str(job.dev_data), "validation"))
@@ -687,6 +689,7 @@ class Trainer:
             "planned_steps": settings.steps,
             "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
             "world_size": self.world, "device": self.device_name, "device_peak_flops": self.peak,
+            "precision": resolved_precision(settings.precision, self.device),  # what `auto` became here
             "mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri, "experiment": job.experiment,
             **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
             "data_fingerprint": self.data_fingerprint,
