@@ -153,7 +153,8 @@ def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -
     """The slow, obvious search: every hypothesis re-runs model.forward on its whole prefix, one at a time.
 
     Same scheme as beam_search without early termination: the top 2 * beam candidates, EOS among the
-    top beam finish, the best beam others stay live, stop when beam have finished or at the maximum length.
+    top beam finish, the best beam others stay live, stop at the maximum length (or, with
+    stop_when_beam_finished, once beam have finished).
     """
     src = torch.tensor([src_row])
     max_len = math.floor(config.max_len_a * len(src_row) + config.max_len_b)
@@ -176,7 +177,7 @@ def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -
                 finished.append((log_prob / length_penalty(len(tokens) + 1, config.length_penalty), tokens))
         finished = sorted(finished, key=lambda hypothesis: -hypothesis[0])[:beam]
         live = [(tokens + [token], log_prob) for log_prob, tokens, token in candidates if token != EOS_ID][:beam]
-        if len(finished) >= beam:
+        if config.stop_when_beam_finished and len(finished) >= beam:
             break
     return [(tokens, score) for score, tokens in finished]
 
@@ -237,11 +238,13 @@ def test_copying_only_where_hypotheses_differ_gives_exactly_the_full_copy_search
         [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in expected]
 
 
+@pytest.mark.parametrize("stop_when_beam_finished", [False, True])
 @pytest.mark.parametrize("early_stopping", [True, False])
-def test_cached_batched_search_equals_full_recomputation(early_stopping, half_trained):
+def test_cached_batched_search_equals_full_recomputation(early_stopping, stop_when_beam_finished, half_trained):
     model = half_trained
     config = SearchConfig(beam_size=3, length_penalty=0.6, max_len_a=0.5, max_len_b=6,
-                          n_best=1 if early_stopping else 3, early_stopping=early_stopping)
+                          n_best=1 if early_stopping else 3, early_stopping=early_stopping,
+                          stop_when_beam_finished=stop_when_beam_finished)
     src = sources([7, 3, 5, 9, 12, 4], seed=2)
     results = beam_search(model, src, config)
     assert len({len(h[0].tokens) for h in results}) > 2  # the case worth testing: they end at different steps
@@ -256,7 +259,8 @@ def test_beam_size_one_equals_greedy_decoding(trained, half_trained):
     model = half_trained if trained else tiny_model(seed=3)
     src = sources([9, 4, 12, 6, 2, 7], seed=4)
     greedy = greedy_search(model, src, max_len_a=1.0, max_len_b=8, length_penalty_alpha=0.6)
-    beam = beam_search(model, src, SearchConfig(beam_size=1, max_len_b=8, length_penalty=0.6))
+    beam = beam_search(model, src, SearchConfig(beam_size=1, max_len_b=8, length_penalty=0.6,
+                                                stop_when_beam_finished=True))
     assert [h[0].tokens for h in beam] == [h.tokens for h in greedy]
     assert [h[0].log_prob for h in beam] == pytest.approx([h.log_prob for h in greedy], abs=1e-4)
     assert [h[0].score for h in beam] == pytest.approx([h.score for h in greedy], abs=1e-4)
@@ -274,11 +278,24 @@ def test_beam_finds_the_more_probable_output_that_greedy_misses():
     assert best.score > greedy.score
 
 
-def test_beam_size_one_stops_at_its_first_eos_like_greedy_even_when_longer_would_score_higher():
+def test_with_fairseqs_rule_beam_size_one_stops_at_its_first_eos_like_greedy_even_when_longer_would_score_higher():
     model = BigramModel(LONGER_WINS)
     src = torch.tensor([[4, 4, EOS_ID]])
     assert greedy_search(model, src, max_len_b=5, length_penalty_alpha=1.0)[0].tokens == []
-    assert beam_search(model, src, SearchConfig(beam_size=1, length_penalty=1.0, max_len_b=5))[0][0].tokens == []
+    config = SearchConfig(beam_size=1, length_penalty=1.0, max_len_b=5, stop_when_beam_finished=True)
+    assert beam_search(model, src, config)[0][0].tokens == []
+
+
+def test_without_fairseqs_rule_only_the_bound_ends_a_search_so_a_longer_hypothesis_can_still_win():
+    """The same beam of one, ended by tensor2tensor's bound alone: EOS first has finished, but A 8 can
+    still beat it under the length penalty, so the search goes on and finds it."""
+    model = BigramModel(LONGER_WINS)
+    src = torch.tensor([[4, 4, EOS_ID]])
+    for beam in (1, 2):
+        config = SearchConfig(beam_size=beam, length_penalty=1.0, max_len_b=5, stop_when_beam_finished=False)
+        best = beam_search(model, src, config)[0][0]
+        assert best.tokens == [A, 8]
+        assert best.score == pytest.approx(math.log(0.24 * 0.98 * 0.99) / (8 / 6), abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -491,7 +508,8 @@ def test_the_accelerator_path_finds_the_cpu_paths_hypotheses(kind, half_trained,
              "learned_positions": tiny_model(seed=42, positional="learned", max_positions=12)}[kind]
     src = sources([7, 3, 5, 9, 12, 4, 8, 2, 1], seed=43)
     configs = [SearchConfig(max_len_b=8), SearchConfig(beam_size=3, n_best=3, max_len_a=0.5, max_len_b=6,
-                                                      early_stopping=False), SearchConfig(beam_size=1, max_len_b=8)]
+                                                      early_stopping=False), SearchConfig(beam_size=1, max_len_b=8),
+               SearchConfig(max_len_b=8, stop_when_beam_finished=True)]
     cpu = [beam_search(model, src, config) for config in configs]
     accelerator_path(monkeypatch)
     assert [beam_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit

@@ -34,6 +34,7 @@ class SearchConfig:
     max_len_b: int = 50  # the paper: input length + 50
     n_best: int = 1  # hypotheses returned per sentence, best first
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
+    stop_when_beam_finished: bool = False  # also stop once beam_size hypotheses have finished (fairseq's rule)
 
     def __post_init__(self) -> None:
         for name, minimum in (("beam_size", 1), ("n_best", 1), ("max_len_b", 0)):
@@ -240,14 +241,17 @@ def beam_search(
     they can (``stable_slots``), so only the cached keys and values of beams that branch are copied. A
     sentence's search ends at the first of:
 
-    - beam_size hypotheses have finished (fairseq's rule; with beam_size 1 this is greedy decoding);
     - early termination, the paper's "terminate early when possible" with tensor2tensor's bound:
       a live hypothesis with log-prob L <= 0 at length l can only finish at a length l' in
       (l, max_len + 1] with log-prob L' <= L, so its best possible score is L / max(lp(l + 1),
       lp(max_len + 1)) (for alpha >= 0, the length penalty at the maximum length). Once the
       n_best-th finished score is at least that bound for the best live hypothesis, no later
       hypothesis can enter the n_best, so stopping returns what searching on would have returned;
-    - its maximum length floor(max_len_a * source_length + max_len_b), where EOS is forced.
+    - its maximum length floor(max_len_a * source_length + max_len_b), where EOS is forced;
+    - only with ``stop_when_beam_finished`` (fairseq's rule, not tensor2tensor's: off by default):
+      beam_size hypotheses have finished, although a live one might still beat them. It saves steps
+      and shortens outputs (BENCHMARKS.md, "Why outputs are short"); with beam_size 1 it is greedy
+      decoding.
 
     A sentence whose search has ended leaves the batch (its cache rows are dropped), so short
     sentences do not wait for long ones.
@@ -325,8 +329,9 @@ def beam_search(
         new_tokens = top_token.gather(1, live_positions)
 
         best_live = live_log_probs.max(dim=1).values
-        done = finished_scores.isfinite().sum(dim=1).ge(beam) | max_lens.le(step)
-        done |= ~best_live.isfinite()
+        done = max_lens.le(step) | ~best_live.isfinite()
+        if config.stop_when_beam_finished:
+            done |= finished_scores.isfinite().sum(dim=1).ge(beam)
         if config.early_stopping:
             best_possible_penalty = torch.maximum(
                 length_penalty((max_lens + 1).float(), config.length_penalty),
