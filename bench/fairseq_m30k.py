@@ -114,12 +114,13 @@ def comparison(ours: dict[int, float], theirs: dict[int, float], at: list[int], 
 
 
 def encode_pairs(spm_model: Path, data: Path, out: Path, max_tokens: int) -> dict[str, int]:
-    """fairseq's text: the pieces of our SentencePiece model, train pairs over ``max_tokens`` dropped as ours are."""
+    """fairseq's text: our download stage's pairs (``data``: train and dev, trimmed and checked) as the
+    pieces of our SentencePiece model, train pairs over ``max_tokens`` dropped as our binarize drops them."""
     import sentencepiece as spm
 
     processor = spm.SentencePieceProcessor(model_file=str(spm_model))
     counts = {}
-    for stem, name in (("train", "train"), ("val", "valid")):
+    for stem, name in (("train", "train"), ("dev", "valid")):
         src = (data / f"{stem}.en").read_text(encoding="utf-8").splitlines()
         tgt = (data / f"{stem}.de").read_text(encoding="utf-8").splitlines()
         src_p, tgt_p = processor.encode(src, out_type=str), processor.encode(tgt, out_type=str)
@@ -161,13 +162,13 @@ def main(argv=None) -> int:
                 "--configfile", "config/multi30k.yaml", "parity.yaml"]
 
     run = Path("results/parity")
-    subprocess.run(snakemake(run / "bpe/spm.model", run / "bin/train", run / "bin/dev"),
+    subprocess.run(snakemake(run / "data/stats.json", run / "bpe/spm.model", run / "bin/train", run / "bin/dev"),
                    cwd=work, env=env, check=True, stdout=subprocess.DEVNULL)
 
     fs = work / "fairseq"
     shutil.rmtree(fs, ignore_errors=True)
     (fs / "text").mkdir(parents=True)
-    counts = encode_pairs(work / run / "bpe/spm.model", data, fs / "text", 128)
+    counts = encode_pairs(work / run / "bpe/spm.model", work / run / "data", fs / "text", 128)
     subprocess.run([args.fairseq_python, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang", "de",
                     "--trainpref", str(fs / "text/train"), "--validpref", str(fs / "text/valid"),
                     "--destdir", str(fs / "bin"), "--joined-dictionary", "--workers", "1"],

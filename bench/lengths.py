@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, load_processor  # noqa: E402
 from aiayn.checkpoint import load_model  # noqa: E402
-from aiayn.decode import hypothesis_text, translate  # noqa: E402
+from aiayn.decode import _pad, hypothesis_text, translate  # noqa: E402
 from aiayn.incremental import InferenceModel  # noqa: E402
 from aiayn.score import score  # noqa: E402
 from aiayn.search import SearchConfig, length_penalty  # noqa: E402
@@ -50,19 +50,14 @@ def sequence_log_probs(model, sources: list[list[int]], outputs: list[list[int]]
     order = sorted(range(len(sources)), key=lambda i: (len(sources[i]), len(outputs[i])))
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        src = _padded([sources[i] for i in rows])
-        tgt_in = _padded([[BOS_ID] + outputs[i] for i in rows])
-        target = _padded([outputs[i] + [EOS_ID] for i in rows])
+        src = _pad([sources[i] for i in rows], "cpu")
+        tgt_in = _pad([[BOS_ID] + outputs[i] for i in rows], "cpu")
+        target = _pad([outputs[i] + [EOS_ID] for i in rows], "cpu")
         log_probs = F.log_softmax(model(src, tgt_in).float(), dim=-1)
         picked = log_probs.gather(2, target[:, :, None]).squeeze(2).masked_fill(target.eq(PAD_ID), 0.0)
         for row, value in zip(rows, picked.sum(dim=1).tolist()):
             result[row] = value
     return result
-
-
-def _padded(sequences: list[list[int]]) -> torch.Tensor:
-    width = max(len(sequence) for sequence in sequences)
-    return torch.tensor([sequence + [PAD_ID] * (width - len(sequence)) for sequence in sequences])
 
 
 def classify(hyp_log_prob: float, hyp_len: int, ref_log_prob: float, ref_len: int, alpha: float) -> tuple[str, float] | None:

@@ -398,6 +398,7 @@ class Trainer:
         self.resumed_from = self._resume()
         self.training_model = self._wrap()
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.precision = resolved_precision(self.settings.precision, self.device)  # what `auto` became here
         self.peak = peak_flops(self.device)
         self.tracker = self._start_tracking() if self.dist.is_main else None
         self.source = StepSource(self.train_split, self.settings)
@@ -477,7 +478,7 @@ class Trainer:
         commit = git_commit()
         tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": commit,
                 "data_fingerprint": self.data_fingerprint, "vocab_fingerprint": self.vocab_fingerprint,
-                "device": self.device_name, "precision": resolved_precision(job.train_section["precision"], self.device),
+                "device": self.device_name, "precision": self.precision,
                 "table": job.preset.get("paper", {}).get("table", ""), "stage": "train", **git_tags(commit)}
         datasets = [("train", self.data_fingerprint, str(job.train_data), "training")]
         if self.dev_split is not None:
@@ -689,7 +690,7 @@ class Trainer:
             "planned_steps": settings.steps,
             "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
             "world_size": self.world, "device": self.device_name, "device_peak_flops": self.peak,
-            "precision": resolved_precision(settings.precision, self.device),  # what `auto` became here
+            "precision": self.precision,
             "mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri, "experiment": job.experiment,
             **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
             "data_fingerprint": self.data_fingerprint,
