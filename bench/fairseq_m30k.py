@@ -4,7 +4,8 @@ Ours runs as the workflow runs it (snakemake: BPE, binarise, train with config/m
 preset that matches fairseq's standard small recipe); fairseq (installed in a scratch environment,
 `pip install torch==2.13.0 fairseq-fixed==0.12.3.1`) trains on the same SentencePiece pieces of the
 same pairs. Both: 3+3 layers, d_model 256, ffn 1024, 4 heads of 64, post-norm, all embeddings shared,
-dropout 0.1 (none on attention weights or ReLU), label smoothing 0.1, Adam (0.9, 0.98, 1e-9), linear
+dropout 0.1 (none on attention weights or ReLU), fairseq's initialisation (``--init t2t``: ours,
+tensor2tensor's, as the paper's presets), label smoothing 0.1, Adam (0.9, 0.98, 1e-9), linear
 warmup over 1000 steps to 1e-3 then inverse square root (ours: the paper's formula with
 lr_scale = 1e-3 * sqrt(256 * 1000)), fp32, seed 1, dev = val (1,014 sentences). Batches: fairseq's
 `--max-tokens 4096`; ours `tokens_per_step` chosen to give the same target tokens a step (both printed).
@@ -34,8 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 PEAK_LR, WARMUP, D_MODEL = 1e-3, 1000, 256
 
 
-def our_config(data: Path, steps: int, every: int, threads: int, tokens_per_step: int, max_tokens: int) -> dict:
-    """A config layered after config/multi30k.yaml: fairseq's model and schedule as one preset."""
+def our_config(data: Path, steps: int, every: int, threads: int, tokens_per_step: int, max_tokens: int,
+               init: str = "fairseq") -> dict:
+    """A config layered after config/multi30k.yaml: fairseq's model, initialisation and schedule as one preset."""
     split = {"train": "train", "dev": "val"}
     return {
         "experiment": "parity",
@@ -48,7 +50,7 @@ def our_config(data: Path, steps: int, every: int, threads: int, tokens_per_step
         "seeds": [1],
         "models": ["parity"],
         "presets": {"parity": {
-            "inherit": "m30k_base", "n_heads": 4, "d_head": 64, "d_value": 64, "dropout": 0.1,
+            "inherit": "m30k_base", "n_heads": 4, "d_head": 64, "d_value": 64, "dropout": 0.1, "init": init,
             "label_smoothing": 0.1, "steps": steps, "warmup_steps": WARMUP,
             "lr_scale": PEAK_LR * math.sqrt(D_MODEL * WARMUP), "average_last": 1, "runtime_minutes": 600,
             # a checkpoint at every dev evaluation, kept, for bench/lengths.py to decode early models
@@ -145,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-step", type=int, default=3600,
                         help="ours: padded tokens a side a step, set to give fairseq's target tokens a step")
     parser.add_argument("--tolerance", type=float, default=0.05)
+    parser.add_argument("--init", choices=("fairseq", "t2t"), default="fairseq",
+                        help="our model's initialisation (fairseq's, to compare like with like; t2t: the paper presets')")
     parser.add_argument("--one-at-a-time", action="store_true")
     args = parser.parse_args(argv)
     data, work = args.data.resolve(), args.work.resolve()
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, target)
     (work / "parity.yaml").write_text(yaml.safe_dump(
-        our_config(data, args.steps, args.every, args.threads, args.tokens_per_step, 128), sort_keys=False))
+        our_config(data, args.steps, args.every, args.threads, args.tokens_per_step, 128, args.init), sort_keys=False))
     def snakemake(*targets: Path) -> list[str]:  # the targets first: --configfile takes every word after it
         return [sys.executable, "-m", "snakemake", *map(str, targets), "--cores", str(args.threads),
                 "--configfile", "config/multi30k.yaml", "parity.yaml"]
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
     theirs, their_tokens = fairseq_curve((fs / "train.log").read_text())
     lines, holds = comparison(ours, theirs, args.at, args.tolerance)
     print(f"Multi30k, {counts['train']} training pairs (fairseq's; ours in {work / run / 'bin/train'}), "
-          f"{args.steps} steps, {args.threads} thread(s) each, {time.time() - started:.0f} s")
+          f"{args.steps} steps, {args.threads} thread(s) each, our init {args.init}, {time.time() - started:.0f} s")
     print(f"target tokens a step: aiayn {our_tokens:.0f}, fairseq {their_tokens:.0f}")
     print("\n".join(lines))
     print(f"aiayn within {args.tolerance:.0%} of fairseq at steps {args.at}: {'holds' if holds else 'does NOT hold'}")

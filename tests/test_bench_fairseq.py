@@ -11,7 +11,8 @@ import pytest
 import yaml
 from conftest import REPO
 
-from aiayn.config import load_config, resolve_preset
+from aiayn.config import load_config, model_fields, resolve_preset
+from aiayn.model import ModelConfig
 from aiayn.train import learning_rate
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -33,6 +34,16 @@ def test_the_preset_is_fairseqs_model(parity_preset):
     assert (preset["dropout"], preset["label_smoothing"], preset["steps"]) == (0.1, 0.1, 1000)
     assert config["train"]["precision"] == "fp32" and config["models"] == ["parity"]
     assert config["data"]["local"]["dev"]["src"].endswith("val.en")
+    assert model_fields(preset)["init"] == "fairseq"  # fairseq's initialisation, to compare like with like
+
+
+def test_presets_that_leave_init_out_resolve_as_before():
+    """No `init` key appears in a preset that does not set it, so the Snakefile's params of runs made
+    before the key existed are unchanged (no rerun), and the model gets t2t's initialisation."""
+    config = load_config([REPO / "config" / "multi30k.yaml"])
+    preset = resolve_preset(config, "m30k_base")
+    assert "init" not in preset and "init" not in model_fields(preset)
+    assert ModelConfig(vocab_size=100, **model_fields(preset)).init == "t2t"
 
 
 def test_the_schedule_is_fairseqs_inverse_sqrt(parity_preset):

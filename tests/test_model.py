@@ -138,6 +138,56 @@ def test_pad_embedding_row_starts_at_zero():
     assert torch.count_nonzero(model.embedding.weight[4]) == 32
 
 
+def _xavier_bound(linear: torch.nn.Linear, gain: float = 1.0) -> float:
+    fan_out, fan_in = linear.weight.shape
+    return gain * math.sqrt(6.0 / (fan_in + fan_out))
+
+
+def _attention_and_ffn(model: Transformer):
+    layers = list(model.encoder) + list(model.decoder)
+    attentions = [m for m in model.modules() if m.__class__.__name__ == "MultiHeadAttention"]
+    return attentions, [layer.feed_forward for layer in layers]
+
+
+def test_t2t_init_is_xavier_everywhere_with_zero_biases():
+    model = tiny_model(d_ff=256)
+    attentions, ffns = _attention_and_ffn(model)
+    for linear in [l for a in attentions for l in (a.query, a.key, a.value, a.output)] + \
+            [l for f in ffns for l in (f.inner, f.outer)]:
+        assert torch.count_nonzero(linear.bias) == 0
+        bound = _xavier_bound(linear)
+        assert linear.weight.abs().max() <= bound
+        assert linear.weight.abs().max() > 0.9 * bound  # uniform over the whole range, not a smaller one
+
+
+def test_fairseq_init_scales_qkv_by_one_over_root_two_and_keeps_torch_defaults_for_the_ffn():
+    model = tiny_model(init="fairseq", d_ff=256)
+    attentions, ffns = _attention_and_ffn(model)
+    for attention in attentions:
+        for linear in (attention.query, attention.key, attention.value):
+            bound = _xavier_bound(linear, gain=2**-0.5)
+            assert bound * 0.9 < linear.weight.abs().max() <= bound
+            assert torch.count_nonzero(linear.bias) == linear.bias.numel()  # torch's default, not zeroed
+            assert linear.bias.abs().max() <= linear.in_features**-0.5
+        assert _xavier_bound(attention.output) * 0.9 < attention.output.weight.abs().max() <= _xavier_bound(attention.output)
+        assert torch.count_nonzero(attention.output.bias) == 0
+    for ffn in ffns:
+        for linear in (ffn.inner, ffn.outer):  # torch's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            bound = linear.in_features**-0.5
+            assert bound * 0.9 < linear.weight.abs().max() <= bound
+            assert torch.count_nonzero(linear.bias) == linear.bias.numel()
+    # the outer FFN map (fan_in 256) differs from t2t's Xavier (bound sqrt(6 / 288)) by a factor of 2.3
+    assert ffns[0].outer.weight.abs().max() < 0.5 * _xavier_bound(ffns[0].outer)
+    assert torch.count_nonzero(model.embedding.weight[PAD]) == 0
+    assert abs(model.embedding.weight[1:].std().item() - 32**-0.5) < 0.02
+
+
+def test_unknown_init_lists_the_allowed_values():
+    with pytest.raises(UserError, match="t2t, fairseq"):
+        tiny_config(init="kaiming")
+    assert tiny_config().init == "t2t"
+
+
 # Parameter counts.
 
 
@@ -288,8 +338,10 @@ def test_explicit_d_head_allows_heads_that_do_not_divide_d_model():
 
 
 def test_config_round_trips_through_a_dict_and_rejects_unknown_keys():
-    config = tiny_config(d_head=6, positional="learned")
+    config = tiny_config(d_head=6, positional="learned", init="fairseq")
     assert ModelConfig.from_dict(config.to_dict()) == config
+    old_checkpoint = {key: value for key, value in config.to_dict().items() if key != "init"}
+    assert ModelConfig.from_dict(old_checkpoint).init == "t2t"  # written before the key existed
     with pytest.raises(UserError, match="n_head, warmup"):
         ModelConfig.from_dict({"vocab_size": 10, "n_head": 4, "warmup": 1})
     with pytest.raises(UserError, match="vocab_size"):

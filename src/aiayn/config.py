@@ -212,8 +212,12 @@ def check_resolved_preset(preset: Any, source: str) -> None:
 
 
 def model_fields(preset: dict) -> dict:
-    """The ModelConfig fields of a resolved preset (the vocabulary size comes from the BPE stage)."""
-    return {key: preset[key] for key in MODEL_KEYS}
+    """The ModelConfig fields of a resolved preset (the vocabulary size comes from the BPE stage).
+
+    ``init`` is optional (ModelConfig's default, "t2t", where a preset leaves it out), so that presets
+    written before it existed resolve to the same JSON and their finished runs stay up to date.
+    """
+    return {key: preset[key] for key in MODEL_KEYS} | ({"init": preset["init"]} if "init" in preset else {})
 
 
 def to_json(obj: Any) -> str:

@@ -24,6 +24,7 @@ from aiayn.config import check_heads
 from aiayn.errors import UserError
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "none")
+INIT_KINDS = ("t2t", "fairseq")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ModelConfig:
     positional: str = "sinusoidal"  # one of POSITIONAL_KINDS; "learned" is Table 3 row E
     max_positions: int = 1024  # rows of the learned table; initial length of the sinusoid table, which grows
     pad_id: int = PAD_ID
+    init: str = "t2t"  # one of INIT_KINDS: the paper gives no initialisation (see Transformer._init_weights)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layers", "d_model", "d_ff", "n_heads", "max_positions"):
@@ -63,6 +65,8 @@ class ModelConfig:
             raise UserError(
                 f"positional = {self.positional!r} is unknown (choose one of {', '.join(POSITIONAL_KINDS)})"
             )
+        if self.init not in INIT_KINDS:
+            raise UserError(f"init = {self.init!r} is unknown (choose one of {', '.join(INIT_KINDS)})")
 
     @property
     def head_dim(self) -> int:
@@ -286,11 +290,22 @@ class Transformer(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # The paper gives no initialisation; these are tensor2tensor's and fairseq's choices.
+        """The paper gives no initialisation; ``config.init`` picks one of two common ones.
+
+        "t2t" (tensor2tensor's): Xavier-uniform for every linear map, biases 0. "fairseq" (fairseq 0.12's):
+        Xavier-uniform with gain 1/sqrt(2) for the query, key and value maps (their biases torch's default),
+        Xavier-uniform for W^O with bias 0, torch's default for the feed-forward layers. Both: the shared
+        embedding N(0, d_model^-0.5) with the padding row 0.
+        """
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if self.config.init == "t2t" and isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
+            elif self.config.init == "fairseq" and isinstance(module, MultiHeadAttention):
+                for linear in (module.query, module.key, module.value):
+                    nn.init.xavier_uniform_(linear.weight, gain=2**-0.5)
+                nn.init.xavier_uniform_(module.output.weight)
+                nn.init.zeros_(module.output.bias)
         # Std d_model^-0.5: after the sqrt(d_model) scale the inputs have unit variance, and the tied
         # pre-softmax layer starts with small logits (t2t and fairseq, for the shared, scaled embedding).
         nn.init.normal_(self.embedding.weight, mean=0.0, std=self.config.d_model**-0.5)
