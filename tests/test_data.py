@@ -146,12 +146,18 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _write_hub_repo(repo, pairs) -> None:
-    """A dataset folder laid out as the hub's wmt/wmt14 parquet branch: one config, one folder."""
+def _write_hub_repo(repo, pairs, train=None, fmt="parquet") -> None:
+    """A dataset folder laid out as the hub's wmt/wmt14 parquet branch: one config, one folder
+    (``fmt="jsonl"``: the same rows as JSON lines, a dataset that is not parquet)."""
     (repo / "de-en").mkdir(parents=True)
-    table = pa.table({"translation": [{"de": t, "en": s} for s, t in pairs]})
     for split in ("train", "validation", "test"):
-        pq.write_table(table, repo / "de-en" / f"{split}-00000-of-00001.parquet")
+        rows = [{"translation": {"de": t, "en": s}} for s, t in (train if split == "train" and train else pairs)]
+        if fmt == "parquet":
+            pq.write_table(pa.Table.from_pylist(rows), repo / "de-en" / f"{split}-00000-of-00001.parquet",
+                           row_group_size=1000)
+        else:
+            (repo / "de-en" / f"{split}-00000-of-00001.jsonl").write_text(
+                "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     splits = "".join(f"  - split: {split}\n    path: de-en/{split}-*\n" for split in ("train", "validation", "test"))
     (repo / "README.md").write_text(f"---\nconfigs:\n- config_name: de-en\n  data_files:\n{splits}---\n")
 
@@ -169,6 +175,25 @@ def test_the_hub_source_reads_a_dataset_through_datasets_in_batches(tmp_path, mo
     summary = download(data_section(source="hub", hub=hub), tmp_path / "out")
     assert (tmp_path / "out" / "test.de").read_text(encoding="utf-8").splitlines() == [t for _, t in pairs]
     assert summary["splits"]["dev"]["origin"] == [f"{tmp_path / 'wmt14'} (de-en, revision main, split validation)"]
+    assert summary["splits"]["train"]["pairs_written"] == 30
+    # parquet is read where it is, a row group at a time: no second copy of the corpus in an Arrow cache
+    assert not list((tmp_path / "cache").rglob("*.arrow"))
+
+
+def test_a_hub_dataset_that_is_not_parquet_goes_through_load_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    pairs = make_pairs(30, seed=6)
+    outputs = {}
+    for fmt in ("jsonl", "parquet"):
+        _write_hub_repo(tmp_path / fmt / "wmt14", pairs, fmt=fmt)
+        hub = {"path": str(tmp_path / fmt / "wmt14"), "name": "de-en", "revision": "main",
+               "splits": {"train": "train", "dev": "validation", "test": "test"}}
+        download(data_section(source="hub", hub=hub), tmp_path / fmt / "out")
+        outputs[fmt] = {p.name: p.read_bytes() for p in (tmp_path / fmt / "out").glob("*.??")}
+    assert outputs["jsonl"] == outputs["parquet"] and len(outputs["jsonl"]) == 6
+    assert list((tmp_path / "cache").rglob("*.arrow"))  # JSON lines are converted by datasets, as before
 
 
 def test_parquet_rows_without_a_language_are_counted_over_the_split(tmp_path, monkeypatch):
@@ -225,12 +250,14 @@ def _peak_python_memory(function) -> int:
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize("layout", ["text", "parquet"])
+@pytest.mark.parametrize("layout", ["text", "parquet", "hub"])
 def test_download_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch, layout):
     """Ten times the pairs: the peak grows by far less than the text added (holding it would take twice)."""
+    import datasets
     import aiayn.data as data
 
     monkeypatch.setattr(data, "BATCH_PAIRS", 500)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     peaks, text_bytes = {}, {}
     for pairs in (5000, 50_000):
         raw = tmp_path / f"raw{pairs}"
@@ -241,5 +268,10 @@ def test_download_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch, la
             pq.write_table(pa.table({"translation": [{"en": s, "de": t} for s, t in train]}),
                            raw / "train.parquet", row_group_size=1000)
             local["train"] = {"parquet": str(raw / "train.parquet")}
-        peaks[pairs] = _peak_python_memory(lambda: download(data_section(local=local), tmp_path / f"out{pairs}"))
+        section = data_section(local=local)
+        if layout == "hub":
+            _write_hub_repo(raw / "hub", make_pairs(10, seed=1), train=make_pairs(pairs, seed=0))
+            section = data_section(source="hub", hub={"path": str(raw / "hub"), "name": "de-en", "revision": "main",
+                                                      "splits": {"train": "train", "dev": "validation", "test": "test"}})
+        peaks[pairs] = _peak_python_memory(lambda: download(section, tmp_path / f"out{pairs}"))
     assert peaks[50_000] - peaks[5000] < 0.2 * (text_bytes[50_000] - text_bytes[5000]), (peaks, text_bytes)

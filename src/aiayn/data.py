@@ -177,6 +177,38 @@ def _batched(lines: Iterator[str]) -> Iterator[list[str]]:
         yield batch
 
 
+def parquet_split(files: list[str], origin: str, src_lang: str, tgt_lang: str,
+                  shown: list[str] | None = None) -> SplitSource:
+    """Parquet files in either layout, checked (readable, columns) from their footers, read a row group at a time.
+
+    A row group at a time: pyarrow's ``iter_batches`` pre-buffers by default and held a file's
+    buffers until the end of the file, so memory grew with the file.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for path in files:
+        try:
+            metadata = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as error:
+            raise UserError(f"{path}: cannot read as parquet ({error})") from None
+        language_columns(metadata.schema_arrow, src_lang, tgt_lang, origin)
+        rows += metadata.metadata.num_rows
+
+    def record_batches():
+        for path in files:
+            try:
+                parquet = pq.ParquetFile(path)
+                for group in range(parquet.num_row_groups):
+                    yield from parquet.read_row_group(group).to_batches(max_chunksize=BATCH_PAIRS)
+            except (pa.ArrowInvalid, OSError) as error:
+                raise UserError(f"{path}: cannot read as parquet ({error})") from None
+
+    return SplitSource(shown or list(files), lambda: pairs_from_arrow(record_batches(), src_lang, tgt_lang, origin),
+                       rows)
+
+
 def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str) -> SplitSource:
     """Check a ``data.local`` split (files exist, parquet schemas, text line counts) without reading it."""
     if not spec:
@@ -195,30 +227,7 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
             if os.path.isdir(path):
                 raise UserError(f"data.local.{split}.parquet: {path} is a directory; give its files, "
                                 f"e.g. {os.path.join(path, '*.parquet')}")
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        origin = ", ".join(files)
-        rows = 0
-        for path in files:
-            try:
-                metadata = pq.ParquetFile(path)
-            except (pa.ArrowInvalid, OSError) as error:
-                raise UserError(f"{path}: cannot read as parquet ({error})") from None
-            language_columns(metadata.schema_arrow, src_lang, tgt_lang, origin)
-            rows += metadata.metadata.num_rows
-
-        def record_batches():
-            # a row group at a time: iter_batches, pre-buffering by default, held its buffers to the end of the file
-            for path in files:
-                try:
-                    parquet = pq.ParquetFile(path)
-                    for group in range(parquet.num_row_groups):
-                        yield from parquet.read_row_group(group).to_batches(max_chunksize=BATCH_PAIRS)
-                except (pa.ArrowInvalid, OSError) as error:
-                    raise UserError(f"{path}: cannot read as parquet ({error})") from None
-
-        return SplitSource(files, lambda: pairs_from_arrow(record_batches(), src_lang, tgt_lang, origin), rows)
+        return parquet_split(files, ", ".join(files), src_lang, tgt_lang)
     if "src" not in spec or "tgt" not in spec:
         raise UserError(f"data.local.{split}: needs both src and tgt (or parquet)")
     src_path, tgt_path = os.path.expanduser(spec["src"]), os.path.expanduser(spec["tgt"])
@@ -258,18 +267,32 @@ def open_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> Split
 
     ``datasets`` retries an unreachable hub for about 20 s per request; we probe it once with a
     short timeout and, if it does not answer, switch the libraries to offline mode before they
-    are imported, so that a filled cache still works and an empty one fails at once. The
-    dataset lives memory-mapped in the ``datasets`` cache and is read in Arrow batches.
+    are imported, so that a filled cache still works and an empty one fails at once.
+    A dataset stored as parquet (wmt/wmt14 is) is resolved by ``datasets`` (its builder's data
+    files, downloaded into its cache) and read a row group at a time, as local parquet is: its
+    Arrow conversion (``load_dataset``) grew in memory with the file and wrote a second copy of
+    the corpus to disk. Any other format goes through ``load_dataset`` and its memory-mapped cache.
     """
     if not (_truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE")) and not _hub_reachable():
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets
+    from datasets.packaged_modules.parquet.parquet import Parquet
 
     split_name = hub["splits"][split]
     origin = f"{hub['path']} ({hub['name']}, revision {hub['revision']}, split {split_name})"
     try:
-        dataset = datasets.load_dataset(hub["path"], hub["name"], revision=hub["revision"], split=split_name)
+        builder = datasets.load_dataset_builder(hub["path"], hub["name"], revision=hub["revision"])
+        data_files = builder.config.data_files or {}
+        if isinstance(builder, Parquet) and split_name in data_files:
+            manager = datasets.DownloadManager(
+                dataset_name=builder.dataset_name,
+                download_config=datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH,
+                                                        token=builder.token, storage_options=builder.storage_options))
+            files = manager.download(list(data_files[split_name]))
+            dataset = None
+        else:
+            dataset = datasets.load_dataset(hub["path"], hub["name"], revision=hub["revision"], split=split_name)
     except Exception as error:  # datasets raises many types for one cause: the data is not reachable
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(
@@ -279,6 +302,8 @@ def open_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> Split
             f"data.local.{split}: {{parquet: /path/to/{hub['name']}/{split_name}-*.parquet}} for each split "
             "(or {src: FILE, tgt: FILE} for plain text)"
         ) from None
+    if dataset is None:
+        return parquet_split(files, origin, src_lang, tgt_lang, shown=[origin])
     language_columns(dataset.data.schema, src_lang, tgt_lang, origin)
     arrow = dataset.with_format("arrow")
     return SplitSource([origin], lambda: pairs_from_arrow(arrow.iter(batch_size=BATCH_PAIRS), src_lang, tgt_lang,
