@@ -38,10 +38,14 @@ def lexicon(size: int, rng: random.Random) -> list[str]:
     return sorted(words)
 
 
-def write_corpus(folder: Path, pairs: int, seed: int = 1) -> tuple[Path, Path]:
-    """``raw.en`` / ``raw.de``; the first 1M pairs are the same at every size (the generator is streamed)."""
+def write_corpus(folder: Path, pairs: int, seed: int = 1, lexicons: tuple[int, int] = (60000, 80000)) -> tuple[Path, Path]:
+    """``raw.en`` / ``raw.de``; the first 1M pairs are the same at every size (the generator is streamed).
+
+    ``lexicons``: the English and German word list sizes; the number of word types the corpus
+    holds grows with them (real WMT text has millions, which drive the BPE trainer's memory).
+    """
     rng = random.Random(seed)
-    source_words, target_words = lexicon(60000, rng), lexicon(80000, rng)
+    source_words, target_words = lexicon(lexicons[0], rng), lexicon(lexicons[1], rng)
     np_rng = np.random.default_rng(seed)
     src_path, tgt_path = folder / "raw.en", folder / "raw.de"
     with open(src_path, "w", encoding="utf-8") as src, open(tgt_path, "w", encoding="utf-8") as tgt:
@@ -135,6 +139,18 @@ def write_hub_folder(folder: Path, train_parquet: Path, small: dict) -> dict:
             "splits": {"train": "train", "dev": "validation", "test": "test"}}
 
 
+STAGES = ("download-parquet", "download-hub", "download-text", "bpe", "binarize")
+
+
+def word_types(path: Path, lines: int) -> int:
+    """Distinct whitespace-separated words in the first ``lines`` lines of a file."""
+    types = set()
+    with open(path, encoding="utf-8") as handle:
+        for _, line in zip(range(lines), handle):
+            types.update(line.split())
+    return len(types)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1_000_000)
@@ -143,17 +159,41 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, nargs="*", default=sorted({1, 2, os.cpu_count() or 1}),
                         help="binarize with each of these process counts (default: 1, 2 and all cores; none: skip)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--lexicons", type=int, nargs=2, default=(60000, 80000), metavar=("EN", "DE"),
+                        help="word list sizes of the generator (more: more word types, as real text has)")
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="keep the generated corpus in this folder and reuse it on later runs of the same size")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES,
+                        help="measure only these (bpe without download-text learns from the generated text)")
     args = parser.parse_args(argv)
     aiayn = [sys.executable, "-m", "aiayn.cli"]
     results = {"pairs": args.pairs, "cpus": os.cpu_count(), "stages": []}
     with tempfile.TemporaryDirectory(prefix="aiayn-bench-") as tmp:
         folder = Path(tmp)
         start = time.perf_counter()
-        src, tgt = write_corpus(folder, args.pairs)
-        write_parquet(src, tgt, folder / "train.parquet")
+        corpus = {"pairs": args.pairs, "lexicons": list(args.lexicons), "seed": 1}
+        if args.corpus:
+            args.corpus.mkdir(parents=True, exist_ok=True)
+        if args.corpus and json.loads((args.corpus / "corpus.json").read_text() if (args.corpus / "corpus.json").exists()
+                                      else "{}") == corpus:
+            src, tgt = folder / "raw.en", folder / "raw.de"  # generated before (--corpus), not timed again
+            for path in (src, tgt):
+                path.symlink_to(args.corpus / path.name)
+        else:
+            src, tgt = write_corpus(args.corpus or folder, args.pairs, lexicons=tuple(args.lexicons))
+            if args.corpus:
+                (args.corpus / "corpus.json").write_text(json.dumps(corpus))
+                for path in (src, tgt):
+                    (folder / path.name).symlink_to(path)
+                src, tgt = folder / "raw.en", folder / "raw.de"
+        if {"download-parquet", "download-hub"} & set(args.stages):
+            write_parquet(src, tgt, folder / "train.parquet")
         results["text_mb"] = round((src.stat().st_size + tgt.stat().st_size) / 1e6)
-        print(f"generated {args.pairs} pairs in {time.perf_counter() - start:.1f} s ({results['text_mb']} MB of text, "
-              f"{(folder / 'train.parquet').stat().st_size / 1e6:.0f} MB of parquet)", flush=True)
+        sample = args.input_sentence_size // 2 if args.input_sentence_size else args.pairs
+        results["word_types"] = {"en": word_types(src, sample), "de": word_types(tgt, sample), "in_pairs": sample}
+        print(f"generated {args.pairs} pairs in {time.perf_counter() - start:.1f} s ({results['text_mb']} MB of text; "
+              f"word types in the first {sample} pairs: {results['word_types']['en']} en, "
+              f"{results['word_types']['de']} de)", flush=True)
         for lang, path in (("en", src), ("de", tgt)):  # dev and test: the first 3000 pairs (not what is measured)
             with open(path, encoding="utf-8") as handle:
                 (folder / f"small.{lang}").write_text("".join(line for _, line in zip(range(3000), handle)),
@@ -167,31 +207,43 @@ def main(argv=None) -> int:
             stages.append(result)
             return result
 
-        measure("download (local parquet)", [
-            "download", "--data-json", data_json({"train": {"parquet": str(folder / "train.parquet")},
-                                                  "dev": small, "test": small}),
-            "--out-dir", str(folder / "data-parquet")], "download-parquet.log")
-        shutil.rmtree(folder / "data-parquet")
-        hub = write_hub_folder(folder / "hub", folder / "train.parquet", small)
-        measure("download (hub source: datasets on a local folder in the hub's layout)", [
-            "download", "--data-json", data_json(hub=hub), "--out-dir", str(folder / "data-hub")], "download-hub.log",
-            {"HF_DATASETS_CACHE": str(folder / "hf-cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-        for path in (folder / "data-hub", folder / "hf-cache", folder / "hub"):
-            shutil.rmtree(path)  # free the disk for the larger runs
-        measure("download (local text)", [
-            "download", "--data-json", data_json({"train": {"src": str(src), "tgt": str(tgt)},
-                                                  "dev": small, "test": small}),
-            "--out-dir", str(folder / "data")], "download.log")
-        bpe = {"vocab_size": args.vocab, "input_sentence_size": args.input_sentence_size, "character_coverage": 1.0,
-               "seed": 1}
-        measure("bpe", [
-            "bpe", "--bpe-json", json.dumps(bpe), "--threads", str(os.cpu_count()), "--out-dir", str(folder / "bpe"),
-            str(folder / "data" / "train.en"), str(folder / "data" / "train.de")], "bpe.log")
+        if "download-parquet" in args.stages:
+            measure("download (local parquet)", [
+                "download", "--data-json", data_json({"train": {"parquet": str(folder / "train.parquet")},
+                                                      "dev": small, "test": small}),
+                "--out-dir", str(folder / "data-parquet")], "download-parquet.log")
+            shutil.rmtree(folder / "data-parquet")
+        if "download-hub" in args.stages:
+            hub = write_hub_folder(folder / "hub", folder / "train.parquet", small)
+            measure("download (hub source: datasets on a local folder in the hub's layout)", [
+                "download", "--data-json", data_json(hub=hub), "--out-dir", str(folder / "data-hub")],
+                "download-hub.log",
+                {"HF_DATASETS_CACHE": str(folder / "hf-cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+            for path in (folder / "data-hub", folder / "hf-cache", folder / "hub"):
+                shutil.rmtree(path, ignore_errors=True)  # free the disk for the larger runs
+        (folder / "train.parquet").unlink(missing_ok=True)
+        train = (src, tgt)  # the stages after download read the download's output where it was measured
+        if "download-text" in args.stages:
+            measure("download (local text)", [
+                "download", "--data-json", data_json({"train": {"src": str(src), "tgt": str(tgt)},
+                                                      "dev": small, "test": small}),
+                "--out-dir", str(folder / "data")], "download.log")
+            train = (folder / "data" / "train.en", folder / "data" / "train.de")
+        spm_model = folder / "bpe" / "spm.model"
+        if "bpe" in args.stages or "binarize" in args.stages:
+            bpe = {"vocab_size": args.vocab, "input_sentence_size": args.input_sentence_size,
+                   "character_coverage": 1.0, "seed": 1}
+            name = "bpe" if "bpe" in args.stages else "bpe (for binarize, not measured)"
+            result = measure(name, ["bpe", "--bpe-json", json.dumps(bpe), "--threads", str(os.cpu_count()),
+                                    "--out-dir", str(folder / "bpe"), str(train[0]), str(train[1])], "bpe.log")
+            result["word_types"] = results["word_types"]
+        if "binarize" not in args.stages:
+            args.workers = []
         for workers in args.workers:
             result = run_stage(f"binarize ({workers} process{'es' if workers > 1 else ''})", aiayn + [
                 "binarize", "--binarize-json", json.dumps({"max_tokens": 250, "workers": workers}), "--split", "train",
-                "--workers", str(workers), "--src", str(folder / "data" / "train.en"),
-                "--tgt", str(folder / "data" / "train.de"), "--spm-model", str(folder / "bpe" / "spm.model"),
+                "--workers", str(workers), "--src", str(train[0]),
+                "--tgt", str(train[1]), "--spm-model", str(spm_model),
                 "--out-dir", str(folder / f"bin{workers}")], folder / f"binarize{workers}.log")
             result["pairs_per_s"] = round(args.pairs / result["seconds"])
             meta = json.loads((folder / f"bin{workers}" / "meta.json").read_text())
