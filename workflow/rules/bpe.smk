@@ -13,8 +13,10 @@ rule bpe:
     log:
         log_file("bpe"),
     resources:
-        mem_mb=32000,
-        runtime=240,
+        # bounded by bpe.input_sentence_size (a sample), not by the corpus: set from BENCHMARKS.md ("Data
+        # stages at WMT scale", BPE with 1.4M word types in its sample), about 3x the peak measured at 10M pairs
+        mem_mb=6000,
+        runtime=120,
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
