@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         results["text_mb"] = round((src.stat().st_size + tgt.stat().st_size) / 1e6)
         sample = args.input_sentence_size // 2 if args.input_sentence_size else args.pairs
         results["word_types"] = {"en": word_types(src, sample), "de": word_types(tgt, sample), "in_pairs": sample}
-        print(f"generated {args.pairs} pairs in {time.perf_counter() - start:.1f} s ({results['text_mb']} MB of text; "
+        print(f"corpus of {args.pairs} pairs ready in {time.perf_counter() - start:.1f} s ({results['text_mb']} MB of text; "
               f"word types in the first {sample} pairs: {results['word_types']['en']} en, "
               f"{results['word_types']['de']} de)", flush=True)
         for lang, path in (("en", src), ("de", tgt)):  # dev and test: the first 3000 pairs (not what is measured)

@@ -125,3 +125,21 @@ def test_the_old_spelling_of_the_command_still_runs_with_a_warning(capsys):
     assert stopped.value.code == 0
     captured = capsys.readouterr()
     assert "use `aiayn binarize`" in captured.err and "usage: aiayn binarize" in captured.out
+
+
+def test_each_worker_encodes_with_one_thread_so_a_job_uses_the_cores_it_asked_for(monkeypatch):
+    """SentencePiece's batch encode starts a thread per core of the machine by default; a binarize job
+    asks the cluster for `workers` cores, so each worker process encodes with one thread."""
+    import aiayn.binarize as binarize
+
+    calls = []
+
+    class Recording:
+        def encode(self, lines, out_type, num_threads=-1):
+            calls.append(num_threads)
+            return [[len(line)] for line in lines]
+
+    monkeypatch.setattr(binarize, "_processor", Recording())
+    src_flat, src_len, tgt_flat, tgt_len = binarize._encode_chunk((["ab", "c"], ["d", "efg"]))
+    assert calls == [1, 1]
+    assert src_flat.tolist() == [2, 1] and tgt_len.tolist() == [1, 1] and tgt_flat.tolist() == [1, 3]

@@ -43,7 +43,9 @@ def _encode_chunk(chunk: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.nd
     src_lines, tgt_lines = chunk
     out = []
     for lines in (src_lines, tgt_lines):
-        pieces = _processor.encode(lines, out_type=int)
+        # one thread: SentencePiece's batch encode would otherwise start a thread per core of the machine
+        # in every worker, using cores the job did not ask for; the workers are the parallelism
+        pieces = _processor.encode(lines, out_type=int, num_threads=1)
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int32, count=int(lengths.sum()))
         out += [flat, lengths]
@@ -60,8 +62,9 @@ def encode_chunks(src_path: str | Path, tgt_path: str | Path, model_path: str | 
                   pairs: int | None = None, desc: str = "binarize") -> Iterator[tuple[np.ndarray, ...]]:
     """Flat ids and lengths of both sides, one chunk of ``CHUNK_PAIRS`` pairs at a time, in order.
 
-    The parent reads the text chunk by chunk while ``workers`` processes encode; at most two
-    chunks per worker are in flight, so memory does not grow with the corpus.
+    The parent reads the text chunk by chunk while ``workers`` processes encode, one thread each
+    (so ``workers`` is the number of cores used); at most two chunks per worker are in flight, so
+    memory does not grow with the corpus.
     """
     from tqdm import tqdm
 
