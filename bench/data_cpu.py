@@ -172,20 +172,13 @@ def main(argv=None) -> int:
         folder = Path(tmp)
         start = time.perf_counter()
         corpus = {"pairs": args.pairs, "lexicons": list(args.lexicons), "seed": 1}
-        if args.corpus:
-            args.corpus.mkdir(parents=True, exist_ok=True)
-        if args.corpus and json.loads((args.corpus / "corpus.json").read_text() if (args.corpus / "corpus.json").exists()
-                                      else "{}") == corpus:
-            src, tgt = folder / "raw.en", folder / "raw.de"  # generated before (--corpus), not timed again
-            for path in (src, tgt):
-                path.symlink_to(args.corpus / path.name)
-        else:
-            src, tgt = write_corpus(args.corpus or folder, args.pairs, lexicons=tuple(args.lexicons))
-            if args.corpus:
-                (args.corpus / "corpus.json").write_text(json.dumps(corpus))
-                for path in (src, tgt):
-                    (folder / path.name).symlink_to(path)
-                src, tgt = folder / "raw.en", folder / "raw.de"
+        corpus_dir = args.corpus or folder  # --corpus: generated once, reused (not timed again) at the same size
+        corpus_dir.mkdir(parents=True, exist_ok=True)
+        marker = corpus_dir / "corpus.json"
+        if not (marker.exists() and json.loads(marker.read_text()) == corpus):
+            write_corpus(corpus_dir, args.pairs, lexicons=tuple(args.lexicons))
+            marker.write_text(json.dumps(corpus))
+        src, tgt = corpus_dir / "raw.en", corpus_dir / "raw.de"
         if {"download-parquet", "download-hub"} & set(args.stages):
             write_parquet(src, tgt, folder / "train.parquet")
         results["text_mb"] = round((src.stat().st_size + tgt.stat().st_size) / 1e6)
@@ -237,9 +230,7 @@ def main(argv=None) -> int:
             result = measure(name, ["bpe", "--bpe-json", json.dumps(bpe), "--threads", str(os.cpu_count()),
                                     "--out-dir", str(folder / "bpe"), str(train[0]), str(train[1])], "bpe.log")
             result["word_types"] = results["word_types"]
-        if "binarize" not in args.stages:
-            args.workers = []
-        for workers in args.workers:
+        for workers in args.workers if "binarize" in args.stages else []:
             result = run_stage(f"binarize ({workers} process{'es' if workers > 1 else ''})", aiayn + [
                 "binarize", "--binarize-json", json.dumps({"max_tokens": 250, "workers": workers}), "--split", "train",
                 "--workers", str(workers), "--src", str(train[0]),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.errors import UserError
-from aiayn.model import ModelConfig, Transformer, sinusoid_table
+from aiayn.model import ModelConfig, MultiHeadAttention, Transformer, sinusoid_table
 from aiayn.params import count_parameters, main as params_main
 
 PAD = 0
@@ -145,7 +145,7 @@ def _xavier_bound(linear: torch.nn.Linear, gain: float = 1.0) -> float:
 
 def _attention_and_ffn(model: Transformer):
     layers = list(model.encoder) + list(model.decoder)
-    attentions = [m for m in model.modules() if m.__class__.__name__ == "MultiHeadAttention"]
+    attentions = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     return attentions, [layer.feed_forward for layer in layers]
 
 

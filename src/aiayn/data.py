@@ -177,8 +177,7 @@ def _batched(lines: Iterator[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def parquet_split(files: list[str], origin: str, src_lang: str, tgt_lang: str,
-                  shown: list[str] | None = None) -> SplitSource:
+def parquet_split(files: list[str], origin: list[str], src_lang: str, tgt_lang: str) -> SplitSource:
     """Parquet files in either layout, checked (readable, columns) from their footers, read a row group at a time.
 
     A row group at a time: pyarrow's ``iter_batches`` pre-buffers by default and held a file's
@@ -187,13 +186,14 @@ def parquet_split(files: list[str], origin: str, src_lang: str, tgt_lang: str,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    named = ", ".join(origin)
     rows = 0
     for path in files:
         try:
             metadata = pq.ParquetFile(path)
         except (pa.ArrowInvalid, OSError) as error:
             raise UserError(f"{path}: cannot read as parquet ({error})") from None
-        language_columns(metadata.schema_arrow, src_lang, tgt_lang, origin)
+        language_columns(metadata.schema_arrow, src_lang, tgt_lang, named)
         rows += metadata.metadata.num_rows
 
     def record_batches():
@@ -205,8 +205,7 @@ def parquet_split(files: list[str], origin: str, src_lang: str, tgt_lang: str,
             except (pa.ArrowInvalid, OSError) as error:
                 raise UserError(f"{path}: cannot read as parquet ({error})") from None
 
-    return SplitSource(shown or list(files), lambda: pairs_from_arrow(record_batches(), src_lang, tgt_lang, origin),
-                       rows)
+    return SplitSource(origin, lambda: pairs_from_arrow(record_batches(), src_lang, tgt_lang, named), rows)
 
 
 def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str) -> SplitSource:
@@ -227,7 +226,7 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
             if os.path.isdir(path):
                 raise UserError(f"data.local.{split}.parquet: {path} is a directory; give its files, "
                                 f"e.g. {os.path.join(path, '*.parquet')}")
-        return parquet_split(files, ", ".join(files), src_lang, tgt_lang)
+        return parquet_split(files, files, src_lang, tgt_lang)
     if "src" not in spec or "tgt" not in spec:
         raise UserError(f"data.local.{split}: needs both src and tgt (or parquet)")
     src_path, tgt_path = os.path.expanduser(spec["src"]), os.path.expanduser(spec["tgt"])
@@ -262,6 +261,23 @@ def _truthy(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _hub_parquet_files(hub: dict, split_name: str) -> list[str] | None:
+    """The local paths of a parquet hub dataset's split, downloaded into ``datasets``' cache by the
+    dataset's builder; None for a dataset in another format (or without that split's data files)."""
+    import datasets
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    builder = datasets.load_dataset_builder(hub["path"], hub["name"], revision=hub["revision"])
+    data_files = builder.config.data_files or {}
+    if not isinstance(builder, Parquet) or split_name not in data_files:
+        return None
+    manager = datasets.DownloadManager(
+        dataset_name=builder.dataset_name,
+        download_config=datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH,
+                                                token=builder.token, storage_options=builder.storage_options))
+    return manager.download(list(data_files[split_name]))
+
+
 def open_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> SplitSource:
     """One split from the Hugging Face hub, failing within seconds (never hanging) without a network.
 
@@ -277,22 +293,13 @@ def open_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> Split
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets
-    from datasets.packaged_modules.parquet.parquet import Parquet
 
     split_name = hub["splits"][split]
     origin = f"{hub['path']} ({hub['name']}, revision {hub['revision']}, split {split_name})"
     try:
-        builder = datasets.load_dataset_builder(hub["path"], hub["name"], revision=hub["revision"])
-        data_files = builder.config.data_files or {}
-        if isinstance(builder, Parquet) and split_name in data_files:
-            manager = datasets.DownloadManager(
-                dataset_name=builder.dataset_name,
-                download_config=datasets.DownloadConfig(cache_dir=datasets.config.DOWNLOADED_DATASETS_PATH,
-                                                        token=builder.token, storage_options=builder.storage_options))
-            files = manager.download(list(data_files[split_name]))
-            dataset = None
-        else:
-            dataset = datasets.load_dataset(hub["path"], hub["name"], revision=hub["revision"], split=split_name)
+        files = _hub_parquet_files(hub, split_name)
+        dataset = None if files else datasets.load_dataset(hub["path"], hub["name"], revision=hub["revision"],
+                                                           split=split_name)
     except Exception as error:  # datasets raises many types for one cause: the data is not reachable
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(
@@ -302,8 +309,8 @@ def open_hub_split(hub: dict, split: str, src_lang: str, tgt_lang: str) -> Split
             f"data.local.{split}: {{parquet: /path/to/{hub['name']}/{split_name}-*.parquet}} for each split "
             "(or {src: FILE, tgt: FILE} for plain text)"
         ) from None
-    if dataset is None:
-        return parquet_split(files, origin, src_lang, tgt_lang, shown=[origin])
+    if files:
+        return parquet_split(files, [origin], src_lang, tgt_lang)
     language_columns(dataset.data.schema, src_lang, tgt_lang, origin)
     arrow = dataset.with_format("arrow")
     return SplitSource([origin], lambda: pairs_from_arrow(arrow.iter(batch_size=BATCH_PAIRS), src_lang, tgt_lang,
