@@ -3,9 +3,10 @@
 Both models are the paper's post-norm, sinusoidal, shared-embedding Transformer built at the
 same size, fed the same synthetic length-bucketed batches, trained with label-smoothed cross
 entropy (0.1) and Adam at the same precision (the trainer's autocast context: in bf16 on the
-CPU both use SDPA's math kernel), in one process, one after the other, with the median of the
-timed steps reported. Ours is the trainer's objective: the chunked output projection and loss of
-aiayn.loss. `transformers` is only needed for the peer:
+CPU both use SDPA's math kernel), one after the other, with the median of the timed steps reported.
+On the CPU each model is timed in a fresh process: ours with freed host memory kept, as `aiayn train`
+keeps it (aiayn.host_memory), the peer as Hugging Face runs it (``--peer-host-memory kept``: as ours).
+Ours is the trainer's objective: the chunked output projection and loss of aiayn.loss. `transformers` is only needed for the peer:
 
     python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy
     PYTHONPATH=src /tmp/benchvenv/bin/python bench/train_cpu.py            # CPU, base size
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import multiprocessing
 import statistics
 import sys
 import time
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.batching import Batch, padded_to_multiple
+from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig, Transformer
 from aiayn.train import COMPILE_MULTIPLE, autocast_context, compiled, forward_flops, peak_flops
@@ -152,6 +155,25 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     return result
 
 
+def measure_apart(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None,
+                  *, kept_memory: bool) -> dict:
+    """``measure`` on the CPU in a fresh process, so that no model inherits another's heap, and with
+    host memory kept (aiayn.host_memory) where ``kept_memory``, as `aiayn train` keeps it; on a GPU in
+    this process (its caching allocator holds device memory either way)."""
+    if device != "cpu":
+        return measure(build, config, batches, device, precision, warmup, compile_backend)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure_in_child, (torch.get_num_threads(), kept_memory, build, config, batches, device,
+                                              precision, warmup, compile_backend))
+
+
+def _measure_in_child(threads: int, kept_memory: bool, *args) -> dict:
+    torch.set_num_threads(threads)
+    if kept_memory:
+        keep_freed_memory()
+    return measure(*args)
+
+
 def sentence_flops(config: ModelConfig, src: torch.Tensor, tgt_out: torch.Tensor) -> float:
     """The forward FLOPs of a batch's sentences each at its own length: the model's useful work,
     without what padding adds (forward_flops counts the padded batch, as the hardware does it)."""
@@ -213,6 +235,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend ('eager' only traces: a quick smoke test of the compiled path)")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--peer-host-memory", choices=["default", "kept"], default="default",
+                        help="the peer's malloc: as Hugging Face runs it (default), or with freed memory kept as "
+                             "`aiayn train` keeps it (ours always is)")
     parser.add_argument("--chunk", type=int, default=None,
                         help="target tokens per chunk of our output projection and loss (default: the trainer's, "
                              "aiayn.loss.CHUNK_ELEMENTS / vocab)")
@@ -223,6 +248,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # for the matmul floor, timed in this process
     layers, d_model, d_ff, heads = PRESETS[args.preset]
     config = ModelConfig(vocab_size=args.vocab, n_layers=layers, d_model=d_model, d_ff=d_ff, n_heads=heads)
     batches = synthetic_batches(args.vocab, args.tokens, args.warmup + args.steps)
@@ -240,17 +266,19 @@ def main(argv=None) -> int:
     best = None
     ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
-        ours = measure(ours_build, config, batches, args.device, precision, args.warmup)
+        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
         if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
             print(line, flush=True)
-            ours_compiled = measure(ours_build, config, batches, args.device, precision, args.warmup, args.compile_backend)
+            ours_compiled = measure_apart(ours_build, config, batches, args.device, precision, args.warmup,
+                                          args.compile_backend, kept_memory=True)
             line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
             if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
                 ours = {**ours_compiled, "which": "compiled"}
         ratio = float("nan")
         if peer:
-            marian = measure(build_marian, config, batches, args.device, precision, args.warmup)
+            marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup,
+                                   kept_memory=args.peer_host_memory == "kept")
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
         if not args.no_floor:

@@ -36,6 +36,7 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, 
 from aiayn.config import check_resolved_preset, check_section
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
+from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective, teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
 
@@ -844,6 +845,7 @@ def main(argv=None):
     threads = args.threads or train_section["threads"]
     if threads:
         torch.set_num_threads(threads)
+    keep_freed_memory()  # the process that trains: each step reuses the last one's host memory
     job = TrainJob(preset, train_section, args.seed, args.train_data, args.dev_data, args.spm_model, args.run_dir,
                    args.experiment, args.tracking_uri, not args.no_tracking, args.device, args.stop_after_steps)
     try:
