@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.batching import Batch, padded_to_multiple
+from aiayn.dropout import cpu_dropout
 from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig, Transformer
@@ -72,8 +73,11 @@ def autocast(device: str, precision: str):
 
 def build_ours(config: ModelConfig, device: str, chunk_tokens: int | None = None):
     """The trainer's objective (aiayn.loss.TrainingObjective): encoder, decoder, then the chunked
-    projection and label-smoothed loss; ``chunk_tokens`` None is the trainer's default."""
-    objective = TrainingObjective(Transformer(config).to(device), 0.1, chunk_tokens)
+    projection and label-smoothed loss, with the trainer's dropout for the device (aiayn.dropout);
+    ``chunk_tokens`` None is the trainer's default."""
+    model = Transformer(config).to(device)
+    cpu_dropout(model, torch.device(device))  # as the trainer does
+    objective = TrainingObjective(model, 0.1, chunk_tokens)
 
     def step(src, tgt_in, tgt_out):
         loss, _ = objective(src, tgt_in, tgt_out)

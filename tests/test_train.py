@@ -84,6 +84,15 @@ def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(p
         assert torch.equal(straight[name], resumed[name]), name  # bitwise on the CPU
 
 
+def test_training_on_the_cpu_uses_the_cheaper_dropout_mask(prepared, tmp_path):
+    from aiayn.dropout import MaskDropout
+    from aiayn.train import Trainer
+
+    model = Trainer(job(prepared, tmp_path / "run")).model
+    assert not any(type(module) is torch.nn.Dropout for module in model.modules())
+    assert sum(isinstance(module, MaskDropout) for module in model.modules()) == 2 * model.config.n_layers + 1
+
+
 def test_checkpoints_hold_everything_to_resume_and_load_weights_only(prepared, tmp_path):
     train(job(prepared, tmp_path / "run"))
     steps = [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")]

@@ -34,6 +34,7 @@ from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, choose_device, is_window_step,
                               list_checkpoints, load_checkpoint, save_model)
 from aiayn.config import check_resolved_preset, check_section
+from aiayn.dropout import cpu_dropout
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
 from aiayn.host_memory import keep_freed_memory
@@ -393,6 +394,7 @@ class Trainer:
         self.model_config = self._model_config()
         torch.manual_seed(self.settings.seed)
         self.model = Transformer(self.model_config).to(self.device)
+        cpu_dropout(self.model, self.device)  # the same dropout, its mask cheaper to draw on the CPU
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=self.settings.adam_betas,
                                           eps=self.settings.adam_eps, fused=(self.device.type == "cuda") or None)
         self.progress = Progress()
