@@ -4,8 +4,9 @@ Both models are the paper's post-norm, sinusoidal, shared-embedding Transformer 
 same size, fed the same synthetic length-bucketed batches, trained with label-smoothed cross
 entropy (0.1) and Adam at the same precision (the trainer's autocast context: in bf16 on the
 CPU both use SDPA's math kernel), one after the other, with the median of the timed steps reported.
-On the CPU each model is timed in a fresh process: ours with freed host memory kept, as `aiayn train`
-keeps it (aiayn.host_memory), the peer as Hugging Face runs it (``--peer-host-memory kept``: as ours).
+With a peer on the CPU each model is timed in a fresh process: ours with freed host memory kept, as
+`aiayn train` keeps it (aiayn.host_memory), the peer as Hugging Face runs it (``--peer-host-memory
+kept``: as ours).
 Ours is the trainer's objective: the chunked output projection and loss of aiayn.loss. `transformers` is only needed for the peer:
 
     python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy
@@ -160,11 +161,12 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
 
 
 def measure_apart(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None,
-                  *, kept_memory: bool) -> dict:
-    """``measure`` on the CPU in a fresh process, so that no model inherits another's heap, and with
-    host memory kept (aiayn.host_memory) where ``kept_memory``, as `aiayn train` keeps it; on a GPU in
-    this process (its caching allocator holds device memory either way)."""
-    if device != "cpu":
+                  *, kept_memory: bool, apart: bool) -> dict:
+    """``measure``; where ``apart`` (a peer is timed too) and on the CPU, in a fresh process, so that
+    no model inherits another's heap, with host memory kept (aiayn.host_memory) where ``kept_memory``,
+    as `aiayn train` keeps it. Otherwise in this process, which keeps its memory (``main``); a GPU's
+    caching allocator holds device memory either way."""
+    if device != "cpu" or not apart:
         return measure(build, config, batches, device, precision, warmup, compile_backend)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_measure_in_child, (torch.get_num_threads(), kept_memory, build, config, batches, device,
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    keep_freed_memory()  # for the matmul floor, timed in this process
+    keep_freed_memory()  # for the matmul floor, and for ours when no peer is timed
     layers, d_model, d_ff, heads = PRESETS[args.preset]
     config = ModelConfig(vocab_size=args.vocab, n_layers=layers, d_model=d_model, d_ff=d_ff, n_heads=heads)
     batches = synthetic_batches(args.vocab, args.tokens, args.warmup + args.steps)
@@ -270,19 +272,19 @@ def main(argv=None) -> int:
     best = None
     ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
-        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True)
+        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True, apart=peer)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
         if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
             print(line, flush=True)
             ours_compiled = measure_apart(ours_build, config, batches, args.device, precision, args.warmup,
-                                          args.compile_backend, kept_memory=True)
+                                          args.compile_backend, kept_memory=True, apart=peer)
             line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
             if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
                 ours = {**ours_compiled, "which": "compiled"}
         ratio = float("nan")
         if peer:
             marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup,
-                                   kept_memory=args.peer_host_memory == "kept")
+                                   kept_memory=args.peer_host_memory == "kept", apart=True)
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
         if not args.no_floor:
