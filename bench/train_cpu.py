@@ -6,8 +6,8 @@ entropy (0.1) and Adam at the same precision (the trainer's autocast context: in
 CPU both use SDPA's math kernel), one after the other, with the median of the timed steps reported.
 With a peer on the CPU each model is timed in a fresh process: ours with freed host memory kept, as
 `aiayn train` keeps it (aiayn.host_memory), the peer as Hugging Face runs it (``--peer-host-memory
-kept``: as ours).
-Ours is the trainer's objective: the chunked output projection and loss of aiayn.loss. `transformers` is only needed for the peer:
+kept``: as ours). Ours is the trainer's objective: the chunked output projection and loss of
+aiayn.loss. `transformers` is only needed for the peer:
 
     python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy
     PYTHONPATH=src /tmp/benchvenv/bin/python bench/train_cpu.py            # CPU, base size
@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.batching import Batch, padded_to_multiple
-from aiayn.dropout import cpu_dropout
 from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective
-from aiayn.model import ModelConfig, Transformer
-from aiayn.train import COMPILE_MULTIPLE, autocast_context, compiled, forward_flops, peak_flops
+from aiayn.model import ModelConfig
+from aiayn.train import (COMPILE_MULTIPLE, autocast_context, compiled, forward_flops, model_for_training,
+                         peak_flops)
 
 PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
     "base": (6, 512, 2048, 8),
@@ -74,11 +74,9 @@ def autocast(device: str, precision: str):
 
 def build_ours(config: ModelConfig, device: str, chunk_tokens: int | None = None):
     """The trainer's objective (aiayn.loss.TrainingObjective): encoder, decoder, then the chunked
-    projection and label-smoothed loss, with the trainer's dropout for the device (aiayn.dropout);
-    ``chunk_tokens`` None is the trainer's default."""
-    model = Transformer(config).to(device)
-    cpu_dropout(model, torch.device(device))  # as the trainer does
-    objective = TrainingObjective(model, 0.1, chunk_tokens)
+    projection and label-smoothed loss, on the trainer's model for the device
+    (aiayn.train.model_for_training); ``chunk_tokens`` None is the trainer's default."""
+    objective = TrainingObjective(model_for_training(config, torch.device(device)), 0.1, chunk_tokens)
 
     def step(src, tgt_in, tgt_out):
         loss, _ = objective(src, tgt_in, tgt_out)

@@ -194,6 +194,14 @@ def autocast_context(device: torch.device, precision: str):
         yield
 
 
+def model_for_training(config: ModelConfig, device: torch.device) -> Transformer:
+    """The model as training runs it on ``device``: on the CPU with its dropout masks cheaper to draw
+    (aiayn.dropout), the same dropout otherwise."""
+    model = Transformer(config).to(device)
+    cpu_dropout(model, device)
+    return model
+
+
 # Under train.compile, micro-batches are padded to multiples of this (rows and lengths).
 COMPILE_MULTIPLE = 8
 COMPILE_BACKEND = "inductor"
@@ -393,8 +401,7 @@ class Trainer:
         self.checkpoint_dir = job.run_dir / "checkpoints"
         self.model_config = self._model_config()
         torch.manual_seed(self.settings.seed)
-        self.model = Transformer(self.model_config).to(self.device)
-        cpu_dropout(self.model, self.device)  # the same dropout, its mask cheaper to draw on the CPU
+        self.model = model_for_training(self.model_config, self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=self.settings.adam_betas,
                                           eps=self.settings.adam_eps, fused=(self.device.type == "cuda") or None)
         self.progress = Progress()
