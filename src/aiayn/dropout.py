@@ -1,12 +1,12 @@
-"""Dropout for training on the CPU whose random mask costs one 16-bit draw per element.
+"""Dropout for training on the CPU whose random mask costs half a 32-bit draw per element.
 
 torch's CPU dropout draws its mask with ``bernoulli_``, at about twice the cost of the random numbers
 themselves, and a base model applies it 32 times a step. This one draws uniform 16-bit integers (two
-from each 32-bit draw of the generator) and keeps an element where the draw is at least round(p * 2^16), scaling kept elements by 2^16 / (2^16 -
-that threshold), so that the expectation is unchanged and p is rounded to a multiple of 1/65536 (0.1
-becomes 0.1000061). The mask is kept as booleans for the backward pass. ``cpu_dropout`` puts it in
-place of a model's ``nn.Dropout`` modules when training on the CPU; on a GPU torch's fused dropout
-stays. What it saves is in BENCHMARKS.md.
+from each 32-bit draw of the generator) and keeps an element where the draw is at least
+round(p * 2^16), scaling kept elements by 2^16 / (2^16 - that threshold), so that the expectation is
+unchanged and p is rounded to a multiple of 1/65536 (0.1 becomes 0.1000061). The mask is kept as
+booleans for the backward pass. ``cpu_dropout`` puts it in place of a model's ``nn.Dropout`` modules
+when training on the CPU; on a GPU torch's fused dropout stays. What it saves is in BENCHMARKS.md.
 """
 
 from __future__ import annotations
