@@ -77,7 +77,7 @@ CONFIGS=(config/config.yaml config/gpu_check.yaml)
 if [ "$DEVICE" = cuda ]; then
   CORES=$(nproc)
   MATMUL=(--size 8192 --repeats 50)
-  TRAIN=(--vocab 37000 --tokens 25000 --steps 5 --warmup 2 --precision bf16 --compile --no-peer)
+  TRAIN=(--vocab 37000 --tokens 25000 --steps 5 --warmup 2 --precision bf16 --compile --no-peer --no-warm-pass)
   BASE=(--preset base) BIG=(--preset big) DECODE=()
   T_MATMUL=30 T_DAG=200 T_DDP=60 T_TRAIN=60 T_DECODE=50
   RUN_END=${GPU_CHECK_SECONDS:-460}  # counted from the start, the wheels included
@@ -85,7 +85,7 @@ if [ "$DEVICE" = cuda ]; then
 else  # the same commands at toy sizes; torch.compile traced only (its eager backend), not built
   CORES=2
   MATMUL=(--size 256 --repeats 3)
-  TRAIN=(--vocab 500 --tokens 200 --steps 1 --warmup 1 --precision bf16 --compile --compile-backend eager --no-peer)
+  TRAIN=(--vocab 500 --tokens 200 --steps 1 --warmup 1 --precision bf16 --compile --compile-backend eager --no-peer --no-warm-pass)
   BASE=(--preset tiny) BIG=(--preset tiny) DECODE=(--sentences 12 --layers 1 --d-model 64 --d-ff 128 --heads 2 --vocab 500 --repeats 1)
   T_MATMUL=120 T_DAG=600 T_DDP=180 T_TRAIN=120 T_DECODE=120  # guards against a hang on a shared CPU, not speeds
   RUN_END=${GPU_CHECK_SECONDS:-1800}

@@ -118,7 +118,12 @@ def seconds_of(work, device: str) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def measure(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None) -> dict:
+def measure(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None,
+            warm_pass: bool = False) -> dict:
+    """Median tokens/s and seconds of the steps after the first ``warmup`` batches. ``warm_pass`` first
+    trains once, untimed, on every batch that will be timed: the process then holds the heap and the
+    kernels its shapes need, as a long run does, and the timed steps measure that steady state rather
+    than first-touch page faults and first-use kernel set-up of each new shape."""
     torch.manual_seed(0)
     model, step = build(config, device)
     if compile_backend:  # as the trainer compiles (aiayn.train.compiled), on batches padded as it pads them
@@ -129,7 +134,10 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True if device == "cuda" else None)
     times, tokens, flops, real_flops = [], [], [], []
-    for index, (src, tgt_in, tgt_out) in enumerate(batches):
+    schedule = list(enumerate(batches))
+    if warm_pass:  # the timed batches once untimed (index -1), after the warmup ones
+        schedule = schedule[:warmup] + [(-1, batch) for batch in batches[warmup:]] + schedule[warmup:]
+    for index, (src, tgt_in, tgt_out) in schedule:
         src, tgt_in, tgt_out = src.to(device), tgt_in.to(device), tgt_out.to(device)
 
         def train_step():
@@ -159,16 +167,16 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
 
 
 def measure_apart(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None,
-                  *, kept_memory: bool, apart: bool) -> dict:
+                  warm_pass: bool = False, *, kept_memory: bool, apart: bool) -> dict:
     """``measure``; where ``apart`` (a peer is timed too) and on the CPU, in a fresh process, so that
     no model inherits another's heap, with host memory kept (aiayn.host_memory) where ``kept_memory``,
     as `aiayn train` keeps it. Otherwise in this process, which keeps its memory (``main``); a GPU's
     caching allocator holds device memory either way."""
     if device != "cpu" or not apart:
-        return measure(build, config, batches, device, precision, warmup, compile_backend)
+        return measure(build, config, batches, device, precision, warmup, compile_backend, warm_pass)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_measure_in_child, (torch.get_num_threads(), kept_memory, build, config, batches, device,
-                                              precision, warmup, compile_backend))
+                                              precision, warmup, compile_backend, warm_pass))
 
 
 def _measure_in_child(threads: int, kept_memory: bool, *args) -> dict:
@@ -239,6 +247,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend ('eager' only traces: a quick smoke test of the compiled path)")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
+                        help="train once untimed on each timed batch first, so that steps are timed in the steady state "
+                             "of a long run (default; --no-warm-pass times each shape's first use)")
     parser.add_argument("--peer-host-memory", choices=["default", "kept"], default="default",
                         help="the peer's malloc: as Hugging Face runs it (default), or with freed memory kept as "
                              "`aiayn train` keeps it (ours always is)")
@@ -270,19 +281,20 @@ def main(argv=None) -> int:
     best = None
     ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
-        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True, apart=peer)
+        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, None, args.warm_pass,
+                             kept_memory=True, apart=peer)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
         if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
             print(line, flush=True)
             ours_compiled = measure_apart(ours_build, config, batches, args.device, precision, args.warmup,
-                                          args.compile_backend, kept_memory=True, apart=peer)
+                                          args.compile_backend, args.warm_pass, kept_memory=True, apart=peer)
             line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
             if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
                 ours = {**ours_compiled, "which": "compiled"}
         ratio = float("nan")
         if peer:
-            marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup,
-                                   kept_memory=args.peer_host_memory == "kept", apart=True)
+            marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup, None,
+                                   args.warm_pass, kept_memory=args.peer_host_memory == "kept", apart=True)
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
         if not args.no_floor:
