@@ -414,3 +414,13 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
     assert len(set(shapes)) >= 5 and all(size % 8 == 0 for shape in shapes for size in shape)
     # one graph of the encoder and decoder (the loss stays eager), and the empty one of the frame that calls it
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+def test_training_on_the_cpu_uses_the_bf16_attention(prepared, tmp_path):
+    from aiayn.cpu_attention import BF16CPUAttention
+    from aiayn.model import MultiHeadAttention
+    from aiayn.train import Trainer
+
+    model = Trainer(job(prepared, tmp_path / "run")).model
+    assert not any(type(module) is MultiHeadAttention for module in model.modules())
+    assert sum(isinstance(module, BF16CPUAttention) for module in model.modules()) == 3 * model.config.n_layers

@@ -34,6 +34,7 @@ from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, choose_device, is_window_step,
                               list_checkpoints, load_checkpoint, save_model)
 from aiayn.config import check_resolved_preset, check_section
+from aiayn.cpu_attention import cpu_attention
 from aiayn.dropout import cpu_dropout
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
@@ -196,9 +197,11 @@ def autocast_context(device: torch.device, precision: str):
 
 def model_for_training(config: ModelConfig, device: torch.device) -> Transformer:
     """The model as training runs it on ``device``: on the CPU with its dropout masks cheaper to draw
-    (aiayn.dropout), the same dropout otherwise."""
+    (aiayn.dropout) and its attention in bf16 under bf16 autocast (aiayn.cpu_attention), the paper's
+    modules otherwise."""
     model = Transformer(config).to(device)
     cpu_dropout(model, device)
+    cpu_attention(model, device)
     return model
 
 
