@@ -186,7 +186,9 @@ def resolved_precision(precision: str, device: torch.device) -> str:
 def autocast_context(device: torch.device, precision: str):
     """bf16 autocast where ``resolved_precision`` says bf16. On the CPU also SDPA's math kernel: torch's
     CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above all),
-    which would cost a training step more than bf16 matrix products win (BENCHMARKS.md)."""
+    which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The trainer's
+    own model attends in bf16 there without SDPA (aiayn.cpu_attention); this serves any other model
+    (bench/train_cpu.py's peer)."""
     if resolved_precision(precision, device) != "bf16":
         yield
         return
