@@ -3,7 +3,8 @@
 Both models are the paper's post-norm, sinusoidal, shared-embedding Transformer built at the
 same size, fed the same synthetic length-bucketed batches, trained with label-smoothed cross
 entropy (0.1) and Adam at the same precision (the trainer's autocast context: in bf16 on the
-CPU both use SDPA's math kernel), one after the other, with the median of the timed steps reported.
+CPU ours attends in bf16 as the trainer does, aiayn.cpu_attention, and the peer through SDPA's math
+kernel), one after the other, with the median of the timed steps reported.
 With a peer on the CPU each model is timed in a fresh process: ours with freed host memory kept, as
 `aiayn train` keeps it (aiayn.host_memory), the peer as Hugging Face runs it (``--peer-host-memory
 kept``: as ours). Ours is the trainer's objective: the chunked output projection and loss of
@@ -166,24 +167,24 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     return result
 
 
-def measure_apart(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None,
-                  warm_pass: bool = False, *, kept_memory: bool, apart: bool) -> dict:
+def measure_apart(build, config, batches, device: str, precision: str, warmup: int, *, kept_memory: bool,
+                  apart: bool, **options) -> dict:
     """``measure``; where ``apart`` (a peer is timed too) and on the CPU, in a fresh process, so that
     no model inherits another's heap, with host memory kept (aiayn.host_memory) where ``kept_memory``,
     as `aiayn train` keeps it. Otherwise in this process, which keeps its memory (``main``); a GPU's
-    caching allocator holds device memory either way."""
+    caching allocator holds device memory either way. ``options`` go to ``measure``."""
+    args = (build, config, batches, device, precision, warmup)
     if device != "cpu" or not apart:
-        return measure(build, config, batches, device, precision, warmup, compile_backend, warm_pass)
+        return measure(*args, **options)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_measure_in_child, (torch.get_num_threads(), kept_memory, build, config, batches, device,
-                                              precision, warmup, compile_backend, warm_pass))
+        return pool.apply(_measure_in_child, (torch.get_num_threads(), kept_memory, args, options))
 
 
-def _measure_in_child(threads: int, kept_memory: bool, *args) -> dict:
+def _measure_in_child(threads: int, kept_memory: bool, args: tuple, options: dict) -> dict:
     torch.set_num_threads(threads)
     if kept_memory:
         keep_freed_memory()
-    return measure(*args)
+    return measure(*args, **options)
 
 
 def sentence_flops(config: ModelConfig, src: torch.Tensor, tgt_out: torch.Tensor) -> float:
@@ -281,20 +282,21 @@ def main(argv=None) -> int:
     best = None
     ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
-        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, None, args.warm_pass,
-                             kept_memory=True, apart=peer)
+        ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True,
+                             apart=peer, warm_pass=args.warm_pass)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
         if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
             print(line, flush=True)
             ours_compiled = measure_apart(ours_build, config, batches, args.device, precision, args.warmup,
-                                          args.compile_backend, args.warm_pass, kept_memory=True, apart=peer)
+                                          kept_memory=True, apart=peer, compile_backend=args.compile_backend,
+                                          warm_pass=args.warm_pass)
             line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
             if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
                 ours = {**ours_compiled, "which": "compiled"}
         ratio = float("nan")
         if peer:
-            marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup, None,
-                                   args.warm_pass, kept_memory=args.peer_host_memory == "kept", apart=True)
+            marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup,
+                                   kept_memory=args.peer_host_memory == "kept", apart=True, warm_pass=args.warm_pass)
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
         if not args.no_floor:
