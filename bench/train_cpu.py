@@ -15,8 +15,9 @@ aiayn.loss. `transformers` is only needed for the peer:
     PYTHONPATH=src python bench/train_cpu.py --device cuda --preset big --tokens 25000 --no-peer
 
 Each precision's line also gives our step over its matmul floor (the step's linear-layer products
-alone, timed at its shapes: see ``matmul_rate``) and, where the device's peak is known, model FLOPs
-utilisation of the sentences' own FLOPs and of the padded batch's. The last line is `ratio=<ours/peer>` (target tokens per second) for the precision at which ours
+alone, timed at its shapes, after each timed step and in the same process: see ``matmul_rate`` and
+``measure``) and, where the device's peak is known, model FLOPs utilisation of the sentences' own
+FLOPs and of the padded batch's. The last line is `ratio=<ours/peer>` (target tokens per second) for the precision at which ours
 is fastest, or `ratio=nan` without a peer.
 """
 
@@ -37,7 +38,7 @@ from aiayn.batching import Batch, padded_to_multiple
 from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
-from aiayn.train import (COMPILE_MULTIPLE, autocast_context, compiled, forward_flops, model_for_training,
+from aiayn.train import (COMPILE_MULTIPLE, adam, autocast_context, compiled, forward_flops, model_for_training,
                          peak_flops)
 
 PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
@@ -120,11 +121,15 @@ def seconds_of(work, device: str) -> tuple[float, object]:
 
 
 def measure(build, config, batches, device: str, precision: str, warmup: int, compile_backend: str | None = None,
-            warm_pass: bool = False) -> dict:
+            warm_pass: bool = False, floor: bool = False) -> dict:
     """Median tokens/s and seconds of the steps after the first ``warmup`` batches. ``warm_pass`` first
     trains once, untimed, on every batch that will be timed: the process then holds the heap and the
     kernels its shapes need, as a long run does, and the timed steps measure that steady state rather
-    than first-touch page faults and first-use kernel set-up of each new shape."""
+    than first-touch page faults and first-use kernel set-up of each new shape. ``floor`` times the
+    step's matrix products alone (``matmul_rate``) right after each timed step, in the same process,
+    and adds the median floor and the median of step/floor over the timed steps: each step is divided
+    by a floor measured seconds from it, so that a machine whose speed drifts between minutes (a
+    shared VM) moves both alike."""
     torch.manual_seed(0)
     model, step = build(config, device)
     if compile_backend:  # as the trainer compiles (aiayn.train.compiled), on batches padded as it pads them
@@ -132,9 +137,8 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
         padded = [padded_to_multiple(Batch(*batch, 0, 0), COMPILE_MULTIPLE) for batch in batches]
         batches = [(batch.src, batch.tgt_in, batch.tgt_out) for batch in padded]
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=True if device == "cuda" else None)
-    times, tokens, flops, real_flops = [], [], [], []
+    optimizer = adam(model.parameters(), torch.device(device), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    times, tokens, flops, real_flops, floors = [], [], [], [], []
     schedule = list(enumerate(batches))
     if warm_pass:  # the timed batches once untimed (index -1), after the warmup ones
         schedule = schedule[:warmup] + [(-1, batch) for batch in batches[warmup:]] + schedule[warmup:]
@@ -157,10 +161,16 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
             tokens.append(int((tgt_out != 0).sum()))
             flops.append(3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)))
             real_flops.append(3 * sentence_flops(config, src, tgt_out))
+            if floor:
+                floors.append(flops[-1] / matmul_rate(config, int(src.numel()), device, precision, repeats=1))
     rates = [t / s for t, s in zip(tokens, times)]
     result = {"tokens_per_second": statistics.median(rates), "step_seconds": statistics.median(times),
               "flops_per_second": statistics.median([f / s for f, s in zip(flops, times)]),
               "real_flops_per_second": statistics.median([f / s for f, s in zip(real_flops, times)])}
+    if floor:
+        result["floor_seconds"] = statistics.median(floors)
+        result["floor_flops_per_second"] = statistics.median([f / s for f, s in zip(flops, floors)])
+        result["step_over_floor"] = statistics.median([t / f for t, f in zip(times, floors)])
     del model, optimizer
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -264,7 +274,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    keep_freed_memory()  # for the matmul floor, and for ours when no peer is timed
+    keep_freed_memory()  # for ours when no peer is timed (each model then runs in this process)
     layers, d_model, d_ff, heads = PRESETS[args.preset]
     config = ModelConfig(vocab_size=args.vocab, n_layers=layers, d_model=d_model, d_ff=d_ff, n_heads=heads)
     batches = synthetic_batches(args.vocab, args.tokens, args.warmup + args.steps)
@@ -282,34 +292,32 @@ def main(argv=None) -> int:
     best = None
     ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
+        timing = dict(warm_pass=args.warm_pass, floor=not args.no_floor)
         ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True,
-                             apart=peer, warm_pass=args.warm_pass)
+                             apart=peer, **timing)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"
         if args.compile:  # eager printed first: a compile that runs out of time loses only its own line
             print(line, flush=True)
             ours_compiled = measure_apart(ours_build, config, batches, args.device, precision, args.warmup,
                                           kept_memory=True, apart=peer, compile_backend=args.compile_backend,
-                                          warm_pass=args.warm_pass)
+                                          **timing)
             line = f"{precision}: ours compiled ({args.compile_backend}) {describe(ours_compiled, peak, args.project_steps)}"
             if ours_compiled["tokens_per_second"] > ours["tokens_per_second"]:
                 ours = {**ours_compiled, "which": "compiled"}
         ratio = float("nan")
         if peer:
             marian = measure_apart(build_marian, config, batches, args.device, precision, args.warmup,
-                                   kept_memory=args.peer_host_memory == "kept", apart=True, warm_pass=args.warm_pass)
+                                   kept_memory=args.peer_host_memory == "kept", apart=True, **timing)
             ratio = ours["tokens_per_second"] / marian["tokens_per_second"]
             line += f"; marian {marian['tokens_per_second']:.0f} tok/s; ratio {ratio:.2f}"
         if not args.no_floor:
-            timed = batches[args.warmup:]
-            tokens = int(statistics.median(int(src.numel()) for src, _, _ in timed))
-            rate = matmul_rate(config, tokens, args.device, precision)
-            floor = statistics.median(
-                3 * forward_flops(config, src.size(0), src.size(1), tgt_in.size(1)) / rate for src, tgt_in, _ in timed)
-            line += (f"; the matmuls alone at the step's shapes run at {rate / 1e9:.0f} GFLOP/s, a step of nothing "
-                     f"but them would take {floor:.3f} s: ours{' ' + ours['which'] if 'which' in ours else ''} "
-                     f"step/floor {ours['step_seconds'] / floor:.2f}")
+            line += (f"; the matmuls alone at the step's shapes, timed after each of its steps, run at "
+                     f"{ours['floor_flops_per_second'] / 1e9:.0f} GFLOP/s, a step of nothing but them would take "
+                     f"{ours['floor_seconds']:.3f} s: ours{' ' + ours['which'] if 'which' in ours else ''} "
+                     f"step/floor {ours['step_over_floor']:.2f}")
             if peer:
-                line += f", marian's {marian['step_seconds'] / floor:.2f}"
+                line += (f", marian's {marian['step_over_floor']:.2f} "
+                         f"(its floor {marian['floor_flops_per_second'] / 1e9:.0f} GFLOP/s)")
         print(line, flush=True)
         if best is None or ours["tokens_per_second"] > best[0]:
             best = (ours["tokens_per_second"], ratio)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -91,6 +92,41 @@ def test_training_on_the_cpu_uses_the_cheaper_dropout_mask(prepared, tmp_path):
     model = Trainer(job(prepared, tmp_path / "run")).model
     assert not any(type(module) is torch.nn.Dropout for module in model.modules())
     assert sum(isinstance(module, MaskDropout) for module in model.modules()) == 2 * model.config.n_layers + 1
+
+
+def test_the_trainers_adam_is_fused_on_the_cpu(prepared, tmp_path):
+    from aiayn.train import Trainer
+
+    groups = Trainer(job(prepared, tmp_path / "run")).optimizer.param_groups
+    assert [group["fused"] for group in groups] == [True] and groups[0]["betas"] == (0.9, 0.98)
+
+
+def test_a_for_loop_adams_state_loads_into_the_fused_one_and_continues_as_the_for_loop_would():
+    from aiayn.train import adam, load_optimizer_state
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def train_steps(net, optimizer, steps):
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(step)
+            net(torch.randn(32, 8, generator=generator)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    settings = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-9)
+    old_net, new_net = model(), model()
+    old = torch.optim.Adam(old_net.parameters(), foreach=False, **settings)  # as checkpoints before it were saved
+    train_steps(old_net, old, 3)
+    new_net.load_state_dict(old_net.state_dict())
+    fused = adam(new_net.parameters(), torch.device("cpu"), **settings)
+    load_optimizer_state(fused, copy.deepcopy(old.state_dict()))  # as read back from a checkpoint
+    assert fused.param_groups[0]["fused"] is True  # the saved state's `fused: None` did not replace it
+    train_steps(old_net, old, 3)
+    train_steps(new_net, fused, 3)
+    for a, b in zip(old_net.parameters(), new_net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # one rounding apart, not another optimizer
 
 
 def test_checkpoints_hold_everything_to_resume_and_load_weights_only(prepared, tmp_path):
@@ -244,7 +280,7 @@ def test_a_sigterm_between_window_checkpoints_averages_the_same_steps_as_an_unin
 
 
 def test_a_non_finite_gradient_norm_stops_the_run_naming_the_step(prepared, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda gradients: torch.tensor(float("nan")))
     with pytest.raises(TrainingDiverged, match=r"gradient norm became nan at step 1 \(preset tiny\)"):
         train(job(prepared, tmp_path / "run"))
     assert not list_checkpoints(tmp_path / "run" / "checkpoints", safety=True)  # nothing written

@@ -207,6 +207,21 @@ def model_for_training(config: ModelConfig, device: torch.device) -> Transformer
     return model
 
 
+def adam(parameters, device: torch.device, *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Adam:
+    """The paper's Adam, fused (one pass over each parameter, its gradient and moments per step)
+    where torch has the kernel, the CPU and CUDA; torch's default for-loop elsewhere."""
+    return torch.optim.Adam(parameters, lr=lr, betas=betas, eps=eps, fused=device.type in ("cpu", "cuda") or None)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict`` keeping this optimizer's implementation choice (``fused``,
+    ``foreach``): a saved state dict carries the saver's, which would otherwise replace it (a run
+    resumed from a checkpoint of the for-loop Adam would stay on the for-loop)."""
+    groups = [dict(saved, fused=current["fused"], foreach=current["foreach"])
+              for saved, current in zip(state["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": groups})
+
+
 # Under train.compile, micro-batches are padded to multiples of this (rows and lengths).
 COMPILE_MULTIPLE = 8
 COMPILE_BACKEND = "inductor"
@@ -407,8 +422,8 @@ class Trainer:
         self.model_config = self._model_config()
         torch.manual_seed(self.settings.seed)
         self.model = model_for_training(self.model_config, self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=self.settings.adam_betas,
-                                          eps=self.settings.adam_eps, fused=(self.device.type == "cuda") or None)
+        self.optimizer = adam(self.model.parameters(), self.device, lr=0.0, betas=self.settings.adam_betas,
+                              eps=self.settings.adam_eps)
         self.progress = Progress()
         self.resumed_from = self._resume()
         self.training_model = self._wrap()
@@ -460,7 +475,7 @@ class Trainer:
                 f"change which sentences make a step. Put the settings back to resume exactly, or delete "
                 f"{self.job.run_dir} to start afresh")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.progress = Progress(**state["progress"])
         torch.set_rng_state(state["rng"]["torch"])
         return path
@@ -534,8 +549,10 @@ class Trainer:
         vote to stop (a signal) or to end (the last step, the time budget)."""
         votes = torch.zeros(5, dtype=torch.float64, device=self.device)
         votes[:2] = sums
-        # measured, not clipped (the paper does not clip); the same on every process after DDP
-        votes[2] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf")).double() / self.world
+        # measured, not clipped (the paper does not clip, so no pass scales the gradients); the same on
+        # every process after DDP
+        gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
+        votes[2] = torch.nn.utils.get_total_norm(gradients).double() / self.world
         job = self.job
         votes[3] = float(stop.signal is not None or (job.stop_after_steps is not None
                                                      and step - start_step >= job.stop_after_steps))
