@@ -14,7 +14,7 @@ from aiayn.model import ModelConfig, Transformer
 def test_it_drops_at_p_and_scales_the_rest_so_the_mean_is_kept(p):
     torch.manual_seed(0)
     dropout = MaskDropout(p).train()
-    x = torch.full((1000, 2001), 2.0)  # an odd count: the last 32-bit draw is half used
+    x = torch.full((999, 2001), 2.0)  # not a multiple of 4: the last 64-bit draw is partly used
     out = dropout(x)
     dropped = (out == 0).double().mean().item()
     n = x.numel()
@@ -59,11 +59,11 @@ def test_draws_are_uniform_over_all_16_bit_values():
     torch.manual_seed(0)
     draws = _draws(torch.Size([1 << 22]), torch.device("cpu")).long()
     counts = torch.bincount(draws + (1 << 15), minlength=1 << 16).double()
-    # each of the 65536 values about 64 times: both halves of the 32-bit draws cover the whole range
-    halves = [draws[0::2], draws[1::2]]
-    for half in halves:
-        assert half.min() < -32000 and half.max() > 32000
-        assert abs(half.double().mean().item()) < 5 * 18918 / half.numel() ** 0.5  # sd of uniform int16
+    # each of the 65536 values about 64 times: all four quarters of the 64-bit draws cover the whole range
+    quarters = [draws[offset::4] for offset in range(4)]
+    for quarter in quarters:
+        assert quarter.min() < -32000 and quarter.max() > 32000
+        assert abs(quarter.double().mean().item()) < 5 * 18918 / quarter.numel() ** 0.5  # sd of uniform int16
     assert counts.min() > 0 and counts.std().item() < 1.2 * 8  # every value, with a Poisson-like spread
 
 

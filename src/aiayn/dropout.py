@@ -1,8 +1,8 @@
-"""Dropout for training on the CPU whose random mask costs half a 32-bit draw per element.
+"""Dropout for training on the CPU whose random mask costs a quarter of a 64-bit draw per element.
 
 torch's CPU dropout draws its mask with ``bernoulli_``, at about twice the cost of the random numbers
-themselves, and a base model applies it 32 times a step. This one draws uniform 16-bit integers (two
-from each 32-bit draw of the generator) and keeps an element where the draw is at least
+themselves, and a base model applies it 32 times a step. This one draws uniform 16-bit integers (four
+from each 64-bit draw of the generator) and keeps an element where the draw is at least
 round(p * 2^16), scaling kept elements by 2^16 / (2^16 - that threshold), so that the expectation is
 unchanged and p is rounded to a multiple of 1/65536 (0.1 becomes 0.1000061). The mask is kept as
 booleans for the backward pass. ``cpu_dropout`` puts it in place of a model's ``nn.Dropout`` modules
@@ -58,11 +58,14 @@ class _MaskAndScale(torch.autograd.Function):
 
 
 def _draws(shape: torch.Size, device: torch.device) -> Tensor:
-    """Uniform int16 draws of ``shape``: the two halves of uniform 32-bit draws, half as many calls of
-    the generator as one draw per element."""
+    """Uniform int16 draws of ``shape``: the four quarters of uniform 64-bit draws. (torch's CPU
+    generator serves any integer range of 2^32 or more, a full int32 one included, from one 64-bit
+    draw, so 64-bit values cost no more each than 32-bit ones.) The range is all of int64 but its
+    largest value, which a draw misses with probability 2^-64."""
     count = shape.numel()
-    halves = torch.randint(-(1 << 31), 1 << 31, ((count + 1) // 2,), dtype=torch.int32, device=device)
-    return halves.view(torch.int16)[:count].view(shape)
+    quarters = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
+    quarters.random_(-(1 << 63), (1 << 63) - 1)
+    return quarters.view(torch.int16)[:count].view(shape)
 
 
 def cpu_dropout(model: nn.Module, device: torch.device) -> int:
