@@ -63,8 +63,7 @@ def _draws(shape: torch.Size, device: torch.device) -> Tensor:
     draw, so 64-bit values cost no more each than 32-bit ones.) The range is all of int64 but its
     largest value, which a draw misses with probability 2^-64."""
     count = shape.numel()
-    quarters = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
-    quarters.random_(-(1 << 63), (1 << 63) - 1)
+    quarters = torch.randint(-(1 << 63), (1 << 63) - 1, ((count + 3) // 4,), dtype=torch.int64, device=device)
     return quarters.view(torch.int16)[:count].view(shape)
 
 
