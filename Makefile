@@ -34,5 +34,14 @@ WHEELS ?= .whl
 gpu-wheels: install
 	$(BIN)/python bench/gpu_wheels.py --python-version $(GPU_PY) --dest $(WHEELS)
 
+# The demo's outputs and Snakemake's records, for a fresh `make demo`. The MLflow store is kept: every
+# experiment's runs share it (results/mlflow.db, its lock, and the artifacts in mlruns/), and a new demo
+# adds its runs beside the old ones (`aiayn compare --latest` shows the newest). MLFLOW=1 removes it too.
+MLFLOW ?= 0
 clean:
 	rm -rf results/demo .snakemake
+ifeq ($(MLFLOW),1)
+	rm -rf results/mlflow.db results/mlflow.db.lock mlruns
+else
+	@echo "kept the MLflow store of every experiment (results/mlflow.db, mlruns/); make clean MLFLOW=1 removes it too"
+endif
