@@ -1,7 +1,7 @@
 """Tests for aiayn.export: the exported models, run by independent engines, compute what ours computes.
 
-A small model is trained here on the `prepared` corpus (word-for-word English to German-like pairs) so
-that its translations are real ones that end, not the near-ties of random weights. transformers'
+A small model is trained here for a few seconds on the `prepared` corpus (word-for-word English to
+German-like pairs), so that its output distributions are not the near-uniform ones of random weights. transformers'
 MarianMTModel must give our logits under teacher forcing and our greedy translations; CTranslate2 must
 give our greedy and beam-4 translations. The length penalty is alpha = 0 where beams are compared:
 ours is GNMT's ((5 + len) / 6) ** alpha, CTranslate2's len ** alpha, which rank some finished
