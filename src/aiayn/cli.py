@@ -20,6 +20,7 @@ COMMANDS = {
     "score": ("aiayn.score", "sacreBLEU, paper-comparable tokenized BLEU and chrF"),
     "report": ("aiayn.report", "Table 2 and Table 3 beside the paper's numbers"),
     "compare": ("aiayn.compare", "compare runs from MLflow"),
+    "export": ("aiayn.export", "a trained model as CTranslate2 or Hugging Face (Marian)"),
 }
 
 # old spellings still accepted, with a warning: old name -> command

@@ -44,6 +44,7 @@ wildcard_constraints:
     model="|".join(sorted(PRESETS)),
     seed=r"\d+",
     split="train|dev|test",
+    format="ctranslate2|huggingface",
 
 
 # Every path is written once: the rule that makes a file names it with these helpers, and the rules
@@ -69,6 +70,11 @@ RUN_LOG = ("{model}", "seed{seed}")  # the log parts of a per-run job
 def for_run(template, wildcards):
     """A rule's output template with the wildcards of a job (or a dict of them) filled in."""
     return template.format(**dict(wildcards.items()))
+
+
+def export_dir(engine="{format}"):
+    """A run's averaged model in another engine's format (aiayn export), a folder."""
+    return f"{RESULTS}/export/{{model}}/seed{{seed}}/{engine}"
 
 
 def decode_model(wildcards):

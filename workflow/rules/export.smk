@@ -1,0 +1,18 @@
+# Not part of `rule all`: ask for it by path, e.g.
+#   snakemake --cores 1 results/demo/export/demo_base/seed1/ctranslate2
+#   snakemake --cores 1 results/demo/export/demo_base/seed1/huggingface
+rule export:
+    input:
+        model=rules.average.output.model,
+        spm_model=rules.bpe.output.model,
+    output:
+        directory(export_dir()),
+    log:
+        log_file("export", *RUN_LOG, "{format}"),
+    resources:
+        mem_mb=8000,
+        runtime=30,
+        attempt=attempt_number,
+    shell:
+        "aiayn --log {log} --attempt {resources.attempt} "
+        "export --model {input.model} --spm-model {input.spm_model} --format {wildcards.format} --out {output}"
