@@ -128,6 +128,33 @@ def test_tables_have_every_preset_with_mean_std_and_the_difference_to_the_paper(
     assert markdown.startswith("# Table 3") and "paired bootstrap" in markdown and "`base`" in markdown
 
 
+def markdown_header(path) -> list[str]:
+    """The column names of the table in a report's .md file."""
+    header = next(line for line in path.read_text().splitlines() if line.startswith("|"))
+    return [cell.strip() for cell in header.strip("|").split("|")]
+
+
+def test_the_markdown_leaves_out_columns_empty_in_every_row_and_the_csv_keeps_them(results, tmp_path):
+    import pandas as pd
+
+    # the demo's presets: a paper table and row, no paper numbers
+    presets = {name: {"name": name, "paper": {"table": "table3", "row": preset["paper"]["row"]}}
+               for name, preset in PRESETS.items()}
+    build_report(presets, files_of(results), tmp_path / "demo", bootstrap_samples=0, figures=False)
+    for name, paper_columns in (("table3", ["paper_ppl_dev", "paper_bleu_dev", "paper_params", "dev_ppl_diff",
+                                            "dev_bleu_tok_diff", "params_diff"]),
+                                ("table2", ["paper_bleu_test", "paper_train_flops", "test_bleu_tok_diff"])):
+        shown = markdown_header(tmp_path / "demo" / f"{name}.md")
+        assert "dev_bleu_tok" in shown or "test_bleu_tok" in shown
+        assert not set(paper_columns) & set(shown), name
+        assert set(paper_columns) <= set(pd.read_csv(tmp_path / "demo" / f"{name}.csv").columns), name
+        assert "Left out here, empty in every row" in (tmp_path / "demo" / f"{name}.md").read_text()
+    # the paper's presets have numbers: their columns stay, though a row without one is empty there
+    report_of(results, tmp_path / "paper", bootstrap_samples=0, figures=False)
+    shown = markdown_header(tmp_path / "paper" / "table3.md")
+    assert {"paper_ppl_dev", "paper_bleu_dev", "paper_params", "dev_bleu_tok_diff", "params_diff"} <= set(shown)
+
+
 def test_the_bootstrap_tells_a_much_worse_row_from_the_base(results, tmp_path):
     table3 = report_of(results, tmp_path, bootstrap_samples=200, figures=False)["table3"]
     table3 = table3.set_index("preset")
