@@ -198,6 +198,31 @@ def test_the_pictures_are_png_files(results, tmp_path):
     assert {path.name for path in report["files"]} >= {"dev_ppl.png", "table3_bleu.png", "table3.csv", "table2.md"}
 
 
+def test_the_final_perplexities_are_written_beside_the_axes_without_overlapping():
+    from aiayn.plots import dev_perplexity_figure
+
+    # the demo's shape: from about 80 down to values close together between the decades 1 and 10
+    finals = {"base": 1.66, "learned": 1.70, "nopos": 1.9, "heads_1": 4.9}
+    curves = {name: {1: [(100, 80.0 - index), (200, 7.0), (360, final)]}
+              for index, (name, final) in enumerate(finals.items())}
+    figure = dev_perplexity_figure(curves)
+    axes = figure.axes[0]
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    texts = {text.get_text(): text for text in axes.texts}
+    assert {f"{final:.3g}" for final in finals.values()} <= set(texts)
+    boxes = [texts[f"{final:.3g}"].get_window_extent(renderer) for final in finals.values()]
+    for index, box in enumerate(boxes):
+        assert figure.bbox.contains(box.x0, box.y0) and figure.bbox.contains(box.x1, box.y1)
+        for other in boxes[index + 1:]:
+            assert not box.overlaps(other)
+    # and the axis itself is labelled between the decades where the final values lie
+    labelled = [tick.get_loc() for tick in axes.yaxis.get_minor_ticks() + axes.yaxis.get_major_ticks()
+                if tick.label1.get_visible() and tick.label1.get_text()
+                and axes.get_ylim()[0] <= tick.get_loc() <= axes.get_ylim()[1]]
+    assert any(1.5 <= value < 10 for value in labelled), labelled
+
+
 def test_dev_curves_come_from_the_history_else_from_metrics_jsonl(tmp_path):
     results = tmp_path / "results"
     history = write_run(results, "base", 1)

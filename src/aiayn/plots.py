@@ -35,16 +35,24 @@ def _save(figure, path: str | Path) -> Path:
 
 
 def plot_dev_perplexity(curves: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]], path: str | Path) -> Path:
+    """Dev perplexity against training step (``dev_perplexity_figure``) as a PNG."""
+    return _save(dev_perplexity_figure(curves), path)
+
+
+def dev_perplexity_figure(curves: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]]):
     """Dev perplexity against training step: one colour per preset, one line per seed.
 
     ``curves``: preset -> seed -> [(step, perplexity), ...]. Presets without points are listed in the
-    title instead, so that a missing curve is visible rather than silently absent.
+    title instead, so that a missing curve is visible rather than silently absent. The axis is
+    logarithmic (perplexity falls by orders of magnitude early on), so the final values, the ones a
+    reader compares, would sit between two labelled decades: each line's last value is written beside
+    the axes in its colour, and the axis labels 2 and 5 of every decade too.
     """
     figure = _figure(8.0, 5.0)
     axes = figure.add_subplot()
     colours = [f"C{i}" for i in range(10)]
     missing = []
-    drawn = 0
+    finals = []  # (last perplexity, colour) of each line
     for index, (preset, seeds) in enumerate(curves.items()):
         seeds = {seed: sorted(points) for seed, points in seeds.items() if points}
         if not seeds:
@@ -53,18 +61,22 @@ def plot_dev_perplexity(curves: Mapping[str, Mapping[int, Sequence[tuple[int, fl
         for number, (seed, points) in enumerate(sorted(seeds.items())):
             steps, perplexities = zip(*points)
             label = (preset if len(seeds) == 1 else f"{preset} ({len(seeds)} seeds)") if number == 0 else None
-            axes.plot(steps, perplexities, color=colours[index % len(colours)], marker="o", markersize=3,
+            colour = colours[index % len(colours)]
+            axes.plot(steps, perplexities, color=colour, marker="o", markersize=3,
                       linewidth=1.2, linestyle=("-", "--", ":", "-.")[number % 4], label=label)
-            drawn += 1
-    if drawn:
+            finals.append((float(perplexities[-1]), colour))
+    if finals:
         from matplotlib.ticker import FuncFormatter, NullFormatter
 
-        axes.set_yscale("log")  # perplexity falls by orders of magnitude early on
+        axes.set_yscale("log")
         plain = FuncFormatter(lambda value, _: f"{value:g}")
         axes.yaxis.set_major_formatter(plain)
         low, high = axes.get_ylim()
-        # Label the minor ticks too when the curves span little more than a decade, else they crowd.
-        axes.yaxis.set_minor_formatter(plain if high / low < 20 else NullFormatter())
+        # Every minor tick labelled when the curves span little more than a decade; else 2 and 5 of each
+        # decade (all eight would crowd), so that values between two decades can still be read off.
+        one_two_five = FuncFormatter(lambda value, _: f"{value:g}" if _leading_digit(value) in (2, 5) else "")
+        axes.yaxis.set_minor_formatter(plain if high / low < 20 else one_two_five if high / low < 1e4
+                                       else NullFormatter())
         axes.legend(fontsize=8)
     else:
         axes.text(0.5, 0.5, "no dev evaluations found", ha="center", va="center", transform=axes.transAxes)
@@ -75,7 +87,44 @@ def plot_dev_perplexity(curves: Mapping[str, Mapping[int, Sequence[tuple[int, fl
     if missing:
         title += f"\n(no dev evaluations for {', '.join(missing)})"
     axes.set_title(title)
-    return _save(figure, path)
+    if finals:
+        _label_final_values(figure, axes, finals)
+    return figure
+
+
+def _leading_digit(value: float) -> int:
+    """1 for 1, 10 and 0.1; 2 for 2, 20 and 0.2 (read off the rounded mantissa, as tick values are not exact)."""
+    return int(round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)) if value > 0 else 0
+
+
+FINAL_VALUE_FONTSIZE = 8
+
+
+def _label_final_values(figure, axes, finals: Sequence[tuple[float, str]]) -> None:
+    """Write each line's last value just right of the axes, at its height, in its colour. Values closer
+    than a line of text are moved apart (the lowest first, none below the axes nor above them), so that
+    no two overlap; the layout is run once with the labels at their own heights to learn the axes' size."""
+    order = sorted(range(len(finals)), key=lambda index: finals[index][0])
+    labels = [axes.annotate(f"{finals[index][0]:.3g}", xy=(1.0, finals[index][0]),
+                            xycoords=("axes fraction", "data"), xytext=(4, 0), textcoords="offset points",
+                            va="center", ha="left", fontsize=FINAL_VALUE_FONTSIZE, color=finals[index][1],
+                            annotation_clip=False)
+              for index in order]
+    figure.draw_without_rendering()  # the constrained layout, now making room for the labels
+    height_points = axes.get_window_extent().height * 72 / figure.dpi
+    gap = 1.25 * FINAL_VALUE_FONTSIZE / height_points  # a line of text, as a fraction of the axes' height
+    # heights as fractions of the (logarithmic) axis, pushed apart upwards, then back down from the top
+    low, high = (math.log10(limit) for limit in axes.get_ylim())
+    wanted = [(math.log10(finals[index][0]) - low) / (high - low) for index in order]
+    placed = []
+    for fraction in wanted:
+        placed.append(max(fraction, placed[-1] + gap) if placed else fraction)
+    top = 1.0
+    for position in reversed(range(len(placed))):
+        placed[position] = min(placed[position], top)
+        top = placed[position] - gap
+    for label, fraction in zip(labels, placed):
+        label.xy = (1.0, 10 ** (low + fraction * (high - low)))
 
 
 def plot_table3_bleu(labels: Sequence[str], ours: Sequence[float], ours_std: Sequence[float] | None,
