@@ -164,6 +164,39 @@ def plot_table3_bleu(labels: Sequence[str], ours: Sequence[float], ours_std: Seq
 
 def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
                    panel_titles: Sequence[str], highlight_rows: Sequence[int] = (), columns: int | None = None) -> Path:
+    """Attention heatmaps (``attention_figure``) as a PNG."""
+    return _save(attention_figure(weights, tokens, title, panel_titles, highlight_rows, columns), path)
+
+
+TITLE_FONTSIZE = 11
+
+
+def wrap_to_width(figure, text: str, fontsize: float, inches: float) -> list[str]:
+    """``text``'s lines broken between words so that each fits in ``inches`` at ``fontsize``, as measured
+    by the figure's renderer (a title set in one line is clipped at the figure's edges, not wrapped)."""
+    from matplotlib.font_manager import FontProperties
+
+    renderer = figure.canvas.get_renderer()
+    font = FontProperties(size=fontsize)
+
+    def fits(line: str) -> bool:
+        return renderer.get_text_width_height_descent(line, font, ismath=False)[0] / figure.dpi <= inches
+
+    lines = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if line and not fits(candidate):
+                lines.append(line)
+                candidate = word
+            line = candidate
+        lines.append(line)
+    return lines
+
+
+def attention_figure(weights, tokens: Sequence[str], title: str, panel_titles: Sequence[str],
+                     highlight_rows: Sequence[int] = (), columns: int | None = None):
     """Attention heatmaps, one panel per head: rows attend (queries), columns are attended to (keys).
 
     weights: (panels, len, len) array with rows summing to 1; tokens label both axes. The rows in
@@ -186,10 +219,14 @@ def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
     # Margins are computed from the longest label instead of by a layout engine, which would measure
     # every one of the (heads x 2 x len) tick labels once more before drawing: half the time of a figure.
     labels = 0.2 + 0.65 * fontsize / 72 * max((len(token) for token in tokens), default=1)
-    title_space, gap, colourbar, heading = 0.35, 0.3, 1.1, 0.8
+    title_space, gap, colourbar = 0.35, 0.3, 1.1
     cell_width, cell_height = labels + inches + gap, title_space + inches + labels + gap
-    width, height = columns * cell_width + colourbar, rows * cell_height + heading
-    figure = _figure(width, height, layout=None)
+    width = columns * cell_width + colourbar
+    figure = _figure(width, 1.0, layout=None)  # its height once the title is wrapped to its width
+    title_lines = wrap_to_width(figure, title, TITLE_FONTSIZE, width - 0.4)
+    heading = 0.4 + 1.4 * TITLE_FONTSIZE / 72 * len(title_lines)  # a line and a bit per line of title
+    height = rows * cell_height + heading
+    figure.set_size_inches(width, height)
     top = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
     image = None
     for panel in range(panels):
@@ -210,5 +247,5 @@ def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
     bar = figure.add_axes(((width - colourbar + 0.2) / width, (height - heading - title_space - bar_height) / height,
                            0.2 / width, bar_height / height))
     figure.colorbar(image, cax=bar, label="attention weight")
-    figure.suptitle(title, fontsize=11, y=1 - 0.15 / height, va="top")
-    return _save(figure, path)
+    figure.suptitle("\n".join(title_lines), fontsize=TITLE_FONTSIZE, y=1 - 0.15 / height, va="top")
+    return figure
