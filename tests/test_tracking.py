@@ -168,8 +168,9 @@ def test_the_experiment_holds_a_saved_runs_view_of_bleu_and_the_table3_knobs(tmp
                  "steps"):
         assert f"params.`preset.{knob}`" in columns
     assert (state["orderByKey"], state["orderByAsc"]) == ("metrics.`dev_bleu_tok`", False)  # best first
-    # the description links the view, as the UI's router spells a shared view's address
-    assert f"(#/experiments/{experiment_id}?viewStateShareKey=aiayn-bleu)" in experiment.tags["mlflow.note.content"]
+    # the description links the view: the runs page, in the UI's Model training mode, with the view's key
+    assert (f"(#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=aiayn-bleu)"
+            in experiment.tags["mlflow.note.content"])
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 

@@ -117,7 +117,8 @@ def open_client(uri: str):
     return client
 
 
-EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's kind for training: `mlflow ui` opens on the runs table
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's kind for training (3.17's UI follows its GenAI /
+# Model training switch instead, GenAI by default: runs_view_link sets it)
 
 # The runs table's columns. MLflow's UI opens every experiment on the same hard-coded columns (Source,
 # Models, Dataset) and has no per-experiment default; what it offers (3.15 and later) is a saved view: an
@@ -139,11 +140,14 @@ def column_key(kind: str, name: str) -> str:
 
 
 def runs_view_state() -> dict[str, Any]:
-    """The saved view's table state: Source (it names the commit), the BLEU columns, then the knobs; best
-    dev BLEU first. Keys the UI does not find here keep its defaults."""
-    columns = ([column_key("attributes", "Source")] + [column_key("metrics", name) for name in RUNS_VIEW_METRICS]
+    """The saved view's table state: Source (it names the commit), the BLEU columns, then the knobs in
+    Table 3's order (the UI would sort them by name); best dev BLEU first; Source wide enough for its
+    commit. Keys the UI does not find here keep its defaults."""
+    source = column_key("attributes", "Source")
+    columns = ([source] + [column_key("metrics", name) for name in RUNS_VIEW_METRICS]
                + [column_key("params", name) for name in RUNS_VIEW_PARAMS])
-    return {"selectedColumns": columns, "orderByKey": column_key("metrics", "dev_bleu_tok"), "orderByAsc": False}
+    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": {source: 190},
+            "orderByKey": column_key("metrics", "dev_bleu_tok"), "orderByAsc": False}
 
 
 def runs_view_tag(created_ms: int = 0) -> tuple[str, str]:
@@ -155,8 +159,10 @@ def runs_view_tag(created_ms: int = 0) -> tuple[str, str]:
 
 
 def runs_view_link(experiment_id: str) -> str:
-    """The UI's address (after the server's) of the experiment's runs table in the saved view."""
-    return f"#/experiments/{experiment_id}?viewStateShareKey={RUNS_VIEW_ID}"
+    """The UI's address (after the server's) of the experiment's runs table in the saved view. MLflow 3.17
+    opens an experiment on its GenAI pages (traces) unless the browser last chose "Model training", and
+    an experiment's address without /runs drops the view: both are said here."""
+    return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_ID}"
 
 
 def experiment_description(name: str, experiment_id: str | None = None) -> str:
