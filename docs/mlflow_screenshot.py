@@ -2,7 +2,7 @@
 
 Two pages: ``--page runs``, the experiment's runs table in its saved view (``aiayn.tracking``'s
 "BLEU and Table 3 knobs": the Source column with the commit, dev/test BLEU, dev perplexity and the
-presets' knobs), opened by the link the experiment's description holds; and ``--page compare``, the
+presets' knobs), opened by its address; and ``--page compare``, the
 runs compared by parallel coordinates (BLEU against a Table 3 knob), by the clicks the README describes.
 Needs what the pinned environment does not have: Chromium (`apt-get install chromium`) and
 `pip install playwright` (in a scratch venv); it drives the system Chromium, so playwright downloads no
@@ -17,27 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import urllib.parse
 import urllib.request
 
+RUNS_VIEW_ID = "aiayn-bleu"  # aiayn.tracking.RUNS_VIEW_ID (this script runs where aiayn is not installed)
 DEFAULT_OUTPUT = {"runs": "docs/img/mlflow_runs.png", "compare": "docs/img/mlflow_compare.png"}
+WINDOW = {"runs": (2500, 490), "compare": (1500, 760)}  # pixels: the runs view's sixteen columns side by side
 
 
 def experiment_of(url: str, name: str) -> dict:
     """The experiment as MLflow's REST API gives it (id, tags)."""
     with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/get-by-name?experiment_name={name}") as reply:
         return json.load(reply)["experiment"]
-
-
-def view_link(experiment: dict) -> str:
-    """The link to the saved runs view that the experiment's description holds (aiayn.tracking.runs_view_link)."""
-    tags = {tag["key"]: tag["value"] for tag in experiment.get("tags", [])}
-    found = re.search(r"\]\((#/experiments/[^)]*viewStateShareKey=[^)]*)\)", tags.get("mlflow.note.content", ""))
-    if found is None:
-        raise SystemExit(f"the description of experiment {experiment['name']} links no saved view; "
-                         "the runs of an older aiayn made it (a training run of this one adds the link)")
-    return found.group(1)
 
 
 def run_ids(url: str, experiment: str) -> tuple[str, list[str]]:
@@ -56,9 +47,10 @@ def close_side_panels(page) -> None:
         close.click(timeout=1000)
 
 
-def runs_table(page, url: str, experiment: str) -> None:
-    """The runs table in the saved view, opened by the link in the experiment's description."""
-    page.goto(f"{url}/{view_link(experiment_of(url, experiment))}")
+def runs_table(page, url: str, experiment_id: str) -> None:
+    """The runs table in the saved view, opened by its address (the Views menu gives the same table, but
+    leaves the sidebar's GenAI | Model training switch on GenAI)."""
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_ID}")
     page.wait_for_selector("text=dev_bleu_tok", timeout=60000)
     page.wait_for_timeout(3000)
     close_side_panels(page)
@@ -94,16 +86,17 @@ def main(argv=None) -> int:
     parser.add_argument("--params", nargs="+", default=["preset.positional", "preset.n_heads"], help="--page compare")
     parser.add_argument("--metric", default="dev_bleu_tok", help="--page compare")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
-    parser.add_argument("--width", type=int, default=1500, help="the browser window's width in pixels")
+    parser.add_argument("--width", type=int, help=f"the browser window's width in pixels (default: {WINDOW})")
     parser.add_argument("--output", help=f"default: {DEFAULT_OUTPUT}")
     args = parser.parse_args(argv)
     output = args.output or DEFAULT_OUTPUT[args.page]
     experiment_id, ids = run_ids(args.url, args.experiment)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=args.chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": args.width, "height": 760})
+        width, height = WINDOW[args.page]
+        page = browser.new_page(viewport={"width": args.width or width, "height": height})
         if args.page == "runs":
-            runs_table(page, args.url, args.experiment)
+            runs_table(page, args.url, experiment_id)
         else:
             compare_runs(page, args.url, experiment_id, ids, args.params, args.metric)
         page.screenshot(path=output)

@@ -114,7 +114,7 @@ def test_a_training_run_reaches_an_mlflow_server_and_compare_reads_it_back(prepa
     from aiayn.tracking import RUNS_VIEW_PARAMS
 
     assert set(RUNS_VIEW_PARAMS) <= set(run.data.params)
-    assert run.data.tags["mlflow.source.name"].startswith("aiayn train @ ")
+    assert run.data.tags["mlflow.source.name"].endswith(" aiayn train")
     assert [m.step for m in MlflowClient(mlflow_server).get_metric_history(run.info.run_id, "train_loss")] == [2, 4, 6]
 
     compare = subprocess.run([sys.executable, "-m", "aiayn.cli", "compare", "--experiment", "over-http",
@@ -168,9 +168,8 @@ def test_the_experiment_holds_a_saved_runs_view_of_bleu_and_the_table3_knobs(tmp
                  "steps"):
         assert f"params.`preset.{knob}`" in columns
     assert (state["orderByKey"], state["orderByAsc"]) == ("metrics.`dev_bleu_tok`", False)  # best first
-    # the description links the view: the runs page, in the UI's Model training mode, with the view's key
-    assert (f"(#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=aiayn-bleu)"
-            in experiment.tags["mlflow.note.content"])
+    # the description, whose first line the page shows, says where to find the view
+    assert "Views → BLEU and Table 3 knobs" in experiment.tags["mlflow.note.content"][:200]
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
@@ -208,11 +207,19 @@ def test_the_views_bleu_columns_are_the_metrics_the_score_stage_logs(tmp_path, t
 def test_the_source_column_names_the_commit():
     commit = "d65b50188b98df0e19ff9e0ab2acfebffab3a01b"
     tags = git_tags(commit)
-    # the UI's Source column shows the last /-part of mlflow.source.name
-    assert tags["mlflow.source.name"].split("/")[-1] == "aiayn train @ d65b5018"
+    # the UI's Source column shows the last /-part of mlflow.source.name, its start when the column is narrow
+    assert tags["mlflow.source.name"].split("/")[-1] == "d65b5018 aiayn train"
     assert tags["mlflow.source.git.commit"] == commit
-    assert git_tags(commit + "-dirty")["mlflow.source.name"] == "aiayn train @ d65b5018-dirty"
-    assert git_tags("unknown")["mlflow.source.name"] == "aiayn train @ unknown commit"
+    assert git_tags(commit + "-dirty")["mlflow.source.name"] == "d65b5018-dirty aiayn train"
+    assert git_tags("unknown")["mlflow.source.name"] == "unknown commit aiayn train"
+
+
+def test_the_screenshot_script_opens_the_saved_view_the_experiment_holds():
+    from aiayn.config import REPO_ROOT
+    from aiayn.tracking import RUNS_VIEW_ID
+
+    # docs/mlflow_screenshot.py runs without aiayn (a venv with playwright), so it spells the id out
+    assert f'RUNS_VIEW_ID = "{RUNS_VIEW_ID}"' in (REPO_ROOT / "docs" / "mlflow_screenshot.py").read_text()
 
 
 # --- eight writers at once ----------------------------------------------------------------

@@ -118,13 +118,14 @@ def open_client(uri: str):
 
 
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's kind for training (3.17's UI follows its GenAI /
-# Model training switch instead, GenAI by default: runs_view_link sets it)
+# Model training switch instead, GenAI by default)
 
 # The runs table's columns. MLflow's UI opens every experiment on the same hard-coded columns (Source,
 # Models, Dataset) and has no per-experiment default; what it offers (3.15 and later) is a saved view: an
-# experiment tag `mlflow.sharedViewState.<id>` holding the table's state, listed in the page's Views menu
-# and opened directly by `#/experiments/<id>?viewStateShareKey=<view id>`. One such view is written
-# with the experiment: the BLEU of the score stage, dev perplexity, and the preset's Table 3 knobs.
+# experiment tag `mlflow.sharedViewState.<id>` holding the table's state, listed in the runs page's Views
+# menu and opened directly by `#/experiments/<id>/runs?workflowType=machine_learning&viewStateShareKey=<view
+# id>` (a fresh page load; 3.17 ignores the key when the link is followed from the experiment's own page).
+# One such view is written with the experiment: the score stage's BLEU, dev perplexity, the Table 3 knobs.
 SAVED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # the UI's prefix for saved and shared views
 RUNS_VIEW_ID = "aiayn-bleu"
 RUNS_VIEW_NAME = "BLEU and Table 3 knobs"
@@ -142,11 +143,12 @@ def column_key(kind: str, name: str) -> str:
 def runs_view_state() -> dict[str, Any]:
     """The saved view's table state: Source (it names the commit), the BLEU columns, then the knobs in
     Table 3's order (the UI would sort them by name); best dev BLEU first; Source wide enough for its
-    commit. Keys the UI does not find here keep its defaults."""
+    commit and the rest narrow enough to fit a wide screen. Keys the UI does not find here keep its defaults."""
     source = column_key("attributes", "Source")
     columns = ([source] + [column_key("metrics", name) for name in RUNS_VIEW_METRICS]
                + [column_key("params", name) for name in RUNS_VIEW_PARAMS])
-    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": {source: 190},
+    widths = {source: 190, **{column: 110 if column.startswith("metrics.") else 100 for column in columns[1:]}}
+    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": widths,
             "orderByKey": column_key("metrics", "dev_bleu_tok"), "orderByAsc": False}
 
 
@@ -158,21 +160,14 @@ def runs_view_tag(created_ms: int = 0) -> tuple[str, str]:
     return SAVED_VIEW_TAG_PREFIX + RUNS_VIEW_ID, json.dumps(envelope, separators=(",", ":"))
 
 
-def runs_view_link(experiment_id: str) -> str:
-    """The UI's address (after the server's) of the experiment's runs table in the saved view. MLflow 3.17
-    opens an experiment on its GenAI pages (traces) unless the browser last chose "Model training", and
-    an experiment's address without /runs drops the view: both are said here."""
-    return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_ID}"
-
-
-def experiment_description(name: str, experiment_id: str | None = None) -> str:
-    view = (f" The view [{RUNS_VIEW_NAME}]({runs_view_link(experiment_id)}) (the Views menu) shows dev and test "
-            "BLEU and the presets' Table 3 knobs as columns." if experiment_id is not None else "")
-    return (f"aiayn: \"Attention Is All You Need\" (Vaswani et al., 2017) reproduced; experiment `{name}`. One run "
-            "per trained preset and seed (tags `preset`, `seed`, `attempt`), holding the resolved config as "
-            "parameters, training curves, and the BLEU of the later stages. Made by `snakemake --configfile "
-            f"config/<file>.yaml` (the config's `experiment` key is `{name}`); compare runs with `aiayn compare "
-            f"--experiment {name}` or this page's chart view (BLEU against a Table 3 parameter).{view}")
+def experiment_description(name: str) -> str:
+    return (f"aiayn: \"Attention Is All You Need\" (Vaswani et al., 2017) reproduced; experiment `{name}`. "
+            f"**Views → {RUNS_VIEW_NAME}** (above the runs table) shows dev and test BLEU, dev perplexity and the "
+            "presets' Table 3 knobs as columns, best dev BLEU first. One run per trained preset and seed (tags "
+            "`preset`, `seed`, `attempt`), holding the resolved config as parameters, training curves, and the BLEU "
+            "of the later stages. Made by `snakemake --configfile config/<file>.yaml` (the config's `experiment` key "
+            f"is `{name}`); compare runs with `aiayn compare --experiment {name}` or this page's chart view (BLEU "
+            "against a Table 3 parameter).")
 
 
 def experiment_id_for(client, name: str) -> str:
@@ -193,7 +188,7 @@ def experiment_id_for(client, name: str) -> str:
     else:
         experiment_id, tags = found.experiment_id, found.tags
     wanted = {"mlflow.experimentKind": EXPERIMENT_KIND,
-              "mlflow.note.content": experiment_description(name, experiment_id), **dict([runs_view_tag()])}
+              "mlflow.note.content": experiment_description(name), **dict([runs_view_tag()])}
     for key, value in wanted.items():
         if tags.get(key) != value:
             _retry(lambda: client.set_experiment_tag(experiment_id, key, value), "experiment tag")
@@ -201,13 +196,14 @@ def experiment_id_for(client, name: str) -> str:
 
 
 def git_tags(commit: str) -> dict[str, str]:
-    """MLflow's standard source tags. The runs table's Source column shows the last ``/``-part of
-    ``mlflow.source.name`` and nothing else (the commit has a column of its own, Version, which is not
-    shown by default), so the name carries the short commit: ``aiayn train @ d65b5018`` (``-dirty`` for
-    uncommitted changes). The full commit stays in ``mlflow.source.git.commit``."""
+    """MLflow's standard source tags. The runs table's Source column (one of the three it shows by default)
+    shows the last ``/``-part of ``mlflow.source.name`` and nothing else, cut to its width (the commit has
+    a column of its own, Version, not shown by default), so the name starts with the short commit:
+    ``d65b5018 aiayn train`` (``-dirty`` for uncommitted changes). The full commit stays in
+    ``mlflow.source.git.commit``."""
     sha, dirty = commit.partition("-dirty")[:2]
     short = sha[:8] + dirty if sha != "unknown" else "unknown commit"
-    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": f"aiayn train @ {short}",
+    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": f"{short} aiayn train",
             "mlflow.source.git.commit": commit}
 
 
