@@ -152,10 +152,10 @@ def runs_view_state() -> dict[str, Any]:
             "orderByKey": column_key("metrics", "dev_bleu_tok"), "orderByAsc": False}
 
 
-def runs_view_tag(created_ms: int = 0) -> tuple[str, str]:
+def runs_view_tag() -> tuple[str, str]:
     """The experiment tag of the saved view, in the UI's envelope: {name, createdAt, updatedAt, state}, the
-    state as a JSON string. ``created_ms`` is fixed (0) so that the tag's value only changes with the view."""
-    envelope = {"name": RUNS_VIEW_NAME, "createdAt": created_ms, "updatedAt": created_ms,
+    state as a JSON string. The times are fixed (0) so that the tag's value changes only with the view."""
+    envelope = {"name": RUNS_VIEW_NAME, "createdAt": 0, "updatedAt": 0,
                 "state": json.dumps(runs_view_state(), separators=(",", ":"))}
     return SAVED_VIEW_TAG_PREFIX + RUNS_VIEW_ID, json.dumps(envelope, separators=(",", ":"))
 
@@ -187,8 +187,9 @@ def experiment_id_for(client, name: str) -> str:
         tags = {}
     else:
         experiment_id, tags = found.experiment_id, found.tags
-    wanted = {"mlflow.experimentKind": EXPERIMENT_KIND,
-              "mlflow.note.content": experiment_description(name), **dict([runs_view_tag()])}
+    view_key, view = runs_view_tag()
+    wanted = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": experiment_description(name),
+              view_key: view}
     for key, value in wanted.items():
         if tags.get(key) != value:
             _retry(lambda: client.set_experiment_tag(experiment_id, key, value), "experiment tag")
