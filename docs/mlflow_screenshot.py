@@ -50,7 +50,8 @@ def close_side_panels(page) -> None:
 def runs_table(page, url: str, experiment_id: str) -> None:
     """The runs table in the saved view, opened by its address (the Views menu gives the same table, but
     leaves the sidebar's GenAI | Model training switch on GenAI)."""
-    page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_ID}")
+    query = f"workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_ID}"
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs?{query}")
     page.wait_for_selector("text=dev_bleu_tok", timeout=60000)
     page.wait_for_timeout(3000)
     close_side_panels(page)

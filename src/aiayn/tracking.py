@@ -129,7 +129,8 @@ EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's kind for training (3.
 SAVED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # the UI's prefix for saved and shared views
 RUNS_VIEW_ID = "aiayn-bleu"
 RUNS_VIEW_NAME = "BLEU and Table 3 knobs"
-RUNS_VIEW_METRICS = ("dev_bleu_tok", "dev_sacrebleu", "test_bleu_tok", "test_sacrebleu", "dev_ppl")  # aiayn.score, train
+# the score stage's BLEU (aiayn.score --log-to-run), the training's last dev perplexity
+RUNS_VIEW_METRICS = ("dev_bleu_tok", "dev_sacrebleu", "test_bleu_tok", "test_sacrebleu", "dev_ppl")
 RUNS_VIEW_PARAMS = ("preset.n_layers", "preset.d_model", "preset.d_ff", "preset.n_heads", "preset.d_head",
                     "preset.dropout", "preset.label_smoothing", "preset.positional", "preset.steps",
                     "model.parameters")  # Table 3's columns N, d_model, d_ff, h, d_k, P_drop, eps_ls, steps, params
