@@ -149,3 +149,24 @@ def test_a_model_of_another_vocabulary_is_refused(vocabulary, tmp_path):
     model = save_tiny_model(tmp_path / "model.pt", vocabulary, fingerprint="0123456789abcdef")
     with pytest.raises(UserError, match="another vocabulary"):
         appendix_figures(model, vocabulary, tmp_path / "report")
+
+
+def test_a_title_wider_than_the_figure_is_wrapped_inside_it_above_the_panels():
+    from aiayn.plots import attention_figure
+
+    # a short sentence makes narrow panels; the anaphora picture's title at its longest (a small model)
+    tokens = ["\u2581The", "\u2581Law", "\u2581its", "\u2581application", "</s>"]
+    weights = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(0)).softmax(-1).numpy()
+    title = ("Anaphora resolution: the heads of encoder layer 2 of 2 (the last; the paper shows layer 5 of 6) that "
+             "attend most from \"its\" to \"Law\" and \"application\"\n(the row of \"its\" is outlined; 3 of 53 pieces "
+             "unknown to the vocabulary)")
+    figure = attention_figure(weights, tokens, title, ["head 3: its \u2192 Law 0.36", "head 2: its \u2192 Law 0.01"],
+                              highlight_rows=[2])
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    shown = figure.get_suptitle()
+    assert shown.split() == title.split()  # every word, only the line breaks differ
+    box = figure._suptitle.get_window_extent(renderer)
+    assert figure.bbox.x0 <= box.x0 and box.x1 <= figure.bbox.x1 and box.y1 <= figure.bbox.y1
+    for axes in figure.axes[:2]:  # the heatmaps, not the colour bar
+        assert box.y0 > axes.title.get_window_extent(renderer).y1

@@ -128,6 +128,33 @@ def test_tables_have_every_preset_with_mean_std_and_the_difference_to_the_paper(
     assert markdown.startswith("# Table 3") and "paired bootstrap" in markdown and "`base`" in markdown
 
 
+def markdown_header(path) -> list[str]:
+    """The column names of the table in a report's .md file."""
+    header = next(line for line in path.read_text().splitlines() if line.startswith("|"))
+    return [cell.strip() for cell in header.strip("|").split("|")]
+
+
+def test_the_markdown_leaves_out_columns_empty_in_every_row_and_the_csv_keeps_them(results, tmp_path):
+    import pandas as pd
+
+    # the demo's presets: a paper table and row, no paper numbers
+    presets = {name: {"name": name, "paper": {"table": "table3", "row": preset["paper"]["row"]}}
+               for name, preset in PRESETS.items()}
+    build_report(presets, files_of(results), tmp_path / "demo", bootstrap_samples=0, figures=False)
+    for name, paper_columns in (("table3", ["paper_ppl_dev", "paper_bleu_dev", "paper_params", "dev_ppl_diff",
+                                            "dev_bleu_tok_diff", "params_diff"]),
+                                ("table2", ["paper_bleu_test", "paper_train_flops", "test_bleu_tok_diff"])):
+        shown = markdown_header(tmp_path / "demo" / f"{name}.md")
+        assert "dev_bleu_tok" in shown or "test_bleu_tok" in shown
+        assert not set(paper_columns) & set(shown), name
+        assert set(paper_columns) <= set(pd.read_csv(tmp_path / "demo" / f"{name}.csv").columns), name
+        assert "Left out here, empty in every row" in (tmp_path / "demo" / f"{name}.md").read_text()
+    # the paper's presets have numbers: their columns stay, though a row without one is empty there
+    report_of(results, tmp_path / "paper", bootstrap_samples=0, figures=False)
+    shown = markdown_header(tmp_path / "paper" / "table3.md")
+    assert {"paper_ppl_dev", "paper_bleu_dev", "paper_params", "dev_bleu_tok_diff", "params_diff"} <= set(shown)
+
+
 def test_the_bootstrap_tells_a_much_worse_row_from_the_base(results, tmp_path):
     table3 = report_of(results, tmp_path, bootstrap_samples=200, figures=False)["table3"]
     table3 = table3.set_index("preset")
@@ -169,6 +196,31 @@ def test_the_pictures_are_png_files(results, tmp_path):
         assert data.startswith(PNG_MAGIC), name
         assert len(data) > 5000, name  # axes, lines and labels, not an empty canvas
     assert {path.name for path in report["files"]} >= {"dev_ppl.png", "table3_bleu.png", "table3.csv", "table2.md"}
+
+
+def test_the_final_perplexities_are_written_beside_the_axes_without_overlapping():
+    from aiayn.plots import dev_perplexity_figure
+
+    # the demo's shape: from about 80 down to values close together between the decades 1 and 10
+    finals = {"base": 1.66, "learned": 1.70, "nopos": 1.9, "heads_1": 4.9}
+    curves = {name: {1: [(100, 80.0 - index), (200, 7.0), (360, final)]}
+              for index, (name, final) in enumerate(finals.items())}
+    figure = dev_perplexity_figure(curves)
+    axes = figure.axes[0]
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    texts = {text.get_text(): text for text in axes.texts}
+    assert {f"{final:.3g}" for final in finals.values()} <= set(texts)
+    boxes = [texts[f"{final:.3g}"].get_window_extent(renderer) for final in finals.values()]
+    for index, box in enumerate(boxes):
+        assert figure.bbox.contains(box.x0, box.y0) and figure.bbox.contains(box.x1, box.y1)
+        for other in boxes[index + 1:]:
+            assert not box.overlaps(other)
+    # and the axis itself is labelled between the decades where the final values lie
+    labelled = [tick.get_loc() for tick in axes.yaxis.get_minor_ticks() + axes.yaxis.get_major_ticks()
+                if tick.label1.get_visible() and tick.label1.get_text()
+                and axes.get_ylim()[0] <= tick.get_loc() <= axes.get_ylim()[1]]
+    assert any(1.5 <= value < 10 for value in labelled), labelled
 
 
 def test_dev_curves_come_from_the_history_else_from_metrics_jsonl(tmp_path):

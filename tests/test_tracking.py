@@ -20,7 +20,7 @@ import pytest
 from conftest import tiny_preset
 
 from aiayn.config import section_defaults
-from aiayn.tracking import Tracker
+from aiayn.tracking import Tracker, experiment_id_for, git_tags, open_client
 
 # the schema's defaults, with a small batch and frequent logging
 TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
@@ -110,6 +110,11 @@ def test_a_training_run_reaches_an_mlflow_server_and_compare_reads_it_back(prepa
     assert summary["tracking_uri"] == mlflow_server
     run = MlflowClient(mlflow_server).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["preset"] == "served"
+    # the saved view's knobs are parameters of every training run (tests above check the rest of the view)
+    from aiayn.tracking import RUNS_VIEW_PARAMS
+
+    assert set(RUNS_VIEW_PARAMS) <= set(run.data.params)
+    assert run.data.tags["mlflow.source.name"].endswith(" aiayn train")
     assert [m.step for m in MlflowClient(mlflow_server).get_metric_history(run.info.run_id, "train_loss")] == [2, 4, 6]
 
     compare = subprocess.run([sys.executable, "-m", "aiayn.cli", "compare", "--experiment", "over-http",
@@ -136,6 +141,85 @@ def test_an_unreachable_tracking_server_stops_training_before_it_starts_and_at_o
     assert message.startswith("error: ") and uri in message and "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final.json").exists()
     assert seconds < 60, f"{seconds:.0f} s to give up on {uri}"
+
+
+# --- what the MLflow UI shows first ------------------------------------------------------
+
+def saved_view(experiment) -> tuple[str, dict]:
+    """The experiment's saved runs view read as the UI reads it: the envelope, then its state (JSON)."""
+    from aiayn.tracking import RUNS_VIEW_ID, SAVED_VIEW_TAG_PREFIX
+
+    envelope = json.loads(experiment.tags[SAVED_VIEW_TAG_PREFIX + RUNS_VIEW_ID])
+    assert isinstance(envelope["createdAt"], int) and isinstance(envelope["state"], str)
+    return envelope["name"], json.loads(envelope["state"])
+
+
+def test_the_experiment_holds_a_saved_runs_view_of_bleu_and_the_table3_knobs(tmp_path, tracking_uri_unset):
+    client = open_client(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment_id = experiment_id_for(client, "demo")
+    experiment = client.get_experiment(experiment_id)
+    name, state = saved_view(experiment)
+    assert name == "BLEU and Table 3 knobs"
+    columns = state["selectedColumns"]
+    assert columns[0] == "attributes.`Source`"
+    for metric in ("dev_bleu_tok", "dev_sacrebleu", "test_bleu_tok", "test_sacrebleu", "dev_ppl"):
+        assert f"metrics.`{metric}`" in columns
+    for knob in ("n_layers", "d_model", "d_ff", "n_heads", "d_head", "dropout", "label_smoothing", "positional",
+                 "steps"):
+        assert f"params.`preset.{knob}`" in columns
+    assert (state["orderByKey"], state["orderByAsc"]) == ("metrics.`dev_bleu_tok`", False)  # best first
+    # the description, whose first line the page shows, says where to find the view
+    assert "Views → BLEU and Table 3 knobs" in experiment.tags["mlflow.note.content"][:200]
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_an_existing_experiment_gets_the_saved_view_and_a_changed_one_is_rewritten(tmp_path, tracking_uri_unset):
+    from aiayn.tracking import RUNS_VIEW_ID, SAVED_VIEW_TAG_PREFIX
+
+    client = open_client(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment_id = client.create_experiment("older")  # made before the view existed
+    assert experiment_id_for(client, "older") == experiment_id
+    assert saved_view(client.get_experiment(experiment_id))[1]["selectedColumns"]
+    client.set_experiment_tag(experiment_id, SAVED_VIEW_TAG_PREFIX + RUNS_VIEW_ID,
+                              json.dumps({"name": "old", "createdAt": 0, "state": "{}"}))
+    experiment_id_for(client, "older")
+    assert saved_view(client.get_experiment(experiment_id))[0] == "BLEU and Table 3 knobs"
+
+
+def test_the_views_bleu_columns_are_the_metrics_the_score_stage_logs(tmp_path, tracking_uri_unset):
+    from aiayn.score import main as score
+    from aiayn.tracking import RUNS_VIEW_METRICS
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = open_client(uri)
+    run = client.create_run(experiment_id_for(client, "scored"))
+    final = tmp_path / "final.json"
+    final.write_text(json.dumps({"mlflow_run_id": run.info.run_id, "step": 10}))
+    (tmp_path / "hyp.txt").write_text("Das Haus ist klein .\n")
+    (tmp_path / "ref.txt").write_text("Das Haus ist klein .\n")
+    for split in ("dev", "test"):
+        score(["--hyp", str(tmp_path / "hyp.txt"), "--ref", str(tmp_path / "ref.txt"), "--log-to-run", str(final),
+               "--split", split, "--tracking-uri", uri])
+    logged = client.get_run(run.info.run_id).data.metrics
+    assert {name for name in RUNS_VIEW_METRICS if name != "dev_ppl"} <= set(logged)  # dev_ppl: the training's
+
+
+def test_the_source_column_names_the_commit():
+    commit = "d65b50188b98df0e19ff9e0ab2acfebffab3a01b"
+    tags = git_tags(commit)
+    # the UI's Source column shows the last /-part of mlflow.source.name, its start when the column is narrow
+    assert tags["mlflow.source.name"].split("/")[-1] == "d65b5018 aiayn train"
+    assert tags["mlflow.source.git.commit"] == commit
+    assert git_tags(commit + "-dirty")["mlflow.source.name"] == "d65b5018-dirty aiayn train"
+    assert git_tags("unknown")["mlflow.source.name"] == "unknown commit aiayn train"
+
+
+def test_the_screenshot_script_opens_the_saved_view_the_experiment_holds():
+    from aiayn.config import REPO_ROOT
+    from aiayn.tracking import RUNS_VIEW_ID
+
+    # docs/mlflow_screenshot.py runs without aiayn (a venv with playwright), so it spells the id out
+    assert f'RUNS_VIEW_ID = "{RUNS_VIEW_ID}"' in (REPO_ROOT / "docs" / "mlflow_screenshot.py").read_text()
 
 
 # --- eight writers at once ----------------------------------------------------------------

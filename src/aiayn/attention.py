@@ -160,8 +160,9 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     making = long_distance.positions("making")
     long_path = plots.plot_attention(
         weights.numpy(), long_distance.pieces, out_dir / "attention_long_distance.png",
-        title=f"Long-distance dependencies: every head of {layer_text}{unknown_note(long_distance)}\n"
-              f"(the paper: heads attend from \"making\" to \"more difficult\"; its row is outlined)",
+        title=f"Long-distance dependencies: every head of {layer_text}\n"
+              f"(the paper: heads attend from \"making\" to \"more difficult\"; its row is outlined"
+              f"{unknown_note(long_distance)})",
         panel_titles=[f"head {head + 1}" for head in range(weights.shape[0])], highlight_rows=making)
 
     anaphora = encode_sentence(processor, ANAPHORA)
@@ -170,7 +171,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     anaphora_path = plots.plot_attention(
         weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / "attention_anaphora.png",
         title=f"Anaphora resolution: the heads of {layer_text} that attend most from \"its\" to \"Law\" and "
-              f"\"application\"{unknown_note(anaphora)}\n(the row of \"its\" is outlined)",
+              f"\"application\"\n(the row of \"its\" is outlined{unknown_note(anaphora)})",
         panel_titles=[f"head {head + 1}: its \u2192 Law {law:.2f}, \u2192 application {app:.2f}"
                       for head, law, app in chosen],
         highlight_rows=anaphora.positions("its"))

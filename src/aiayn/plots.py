@@ -35,16 +35,24 @@ def _save(figure, path: str | Path) -> Path:
 
 
 def plot_dev_perplexity(curves: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]], path: str | Path) -> Path:
+    """Dev perplexity against training step (``dev_perplexity_figure``) as a PNG."""
+    return _save(dev_perplexity_figure(curves), path)
+
+
+def dev_perplexity_figure(curves: Mapping[str, Mapping[int, Sequence[tuple[int, float]]]]):
     """Dev perplexity against training step: one colour per preset, one line per seed.
 
     ``curves``: preset -> seed -> [(step, perplexity), ...]. Presets without points are listed in the
-    title instead, so that a missing curve is visible rather than silently absent.
+    title instead, so that a missing curve is visible rather than silently absent. The axis is
+    logarithmic (perplexity falls by orders of magnitude early on), so the final values, the ones a
+    reader compares, would sit between two labelled decades: each line's last value is written beside
+    the axes in its colour, and the axis labels 2 and 5 of every decade too.
     """
     figure = _figure(8.0, 5.0)
     axes = figure.add_subplot()
     colours = [f"C{i}" for i in range(10)]
     missing = []
-    drawn = 0
+    finals = []  # (last perplexity, colour) of each line
     for index, (preset, seeds) in enumerate(curves.items()):
         seeds = {seed: sorted(points) for seed, points in seeds.items() if points}
         if not seeds:
@@ -53,18 +61,22 @@ def plot_dev_perplexity(curves: Mapping[str, Mapping[int, Sequence[tuple[int, fl
         for number, (seed, points) in enumerate(sorted(seeds.items())):
             steps, perplexities = zip(*points)
             label = (preset if len(seeds) == 1 else f"{preset} ({len(seeds)} seeds)") if number == 0 else None
-            axes.plot(steps, perplexities, color=colours[index % len(colours)], marker="o", markersize=3,
+            colour = colours[index % len(colours)]
+            axes.plot(steps, perplexities, color=colour, marker="o", markersize=3,
                       linewidth=1.2, linestyle=("-", "--", ":", "-.")[number % 4], label=label)
-            drawn += 1
-    if drawn:
+            finals.append((float(perplexities[-1]), colour))
+    if finals:
         from matplotlib.ticker import FuncFormatter, NullFormatter
 
-        axes.set_yscale("log")  # perplexity falls by orders of magnitude early on
+        axes.set_yscale("log")
         plain = FuncFormatter(lambda value, _: f"{value:g}")
         axes.yaxis.set_major_formatter(plain)
         low, high = axes.get_ylim()
-        # Label the minor ticks too when the curves span little more than a decade, else they crowd.
-        axes.yaxis.set_minor_formatter(plain if high / low < 20 else NullFormatter())
+        # Every minor tick labelled when the curves span little more than a decade; else 2 and 5 of each
+        # decade (all eight would crowd), so that values between two decades can still be read off.
+        one_two_five = FuncFormatter(lambda value, _: f"{value:g}" if _leading_digit(value) in (2, 5) else "")
+        axes.yaxis.set_minor_formatter(plain if high / low < 20 else one_two_five if high / low < 1e4
+                                       else NullFormatter())
         axes.legend(fontsize=8)
     else:
         axes.text(0.5, 0.5, "no dev evaluations found", ha="center", va="center", transform=axes.transAxes)
@@ -75,7 +87,44 @@ def plot_dev_perplexity(curves: Mapping[str, Mapping[int, Sequence[tuple[int, fl
     if missing:
         title += f"\n(no dev evaluations for {', '.join(missing)})"
     axes.set_title(title)
-    return _save(figure, path)
+    if finals:
+        _label_final_values(figure, axes, finals)
+    return figure
+
+
+def _leading_digit(value: float) -> int:
+    """1 for 1, 10 and 0.1; 2 for 2, 20 and 0.2 (read off the rounded mantissa, as tick values are not exact)."""
+    return int(round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)) if value > 0 else 0
+
+
+FINAL_VALUE_FONTSIZE = 8
+
+
+def _label_final_values(figure, axes, finals: Sequence[tuple[float, str]]) -> None:
+    """Write each line's last value just right of the axes, at its height, in its colour. Values closer
+    than a line of text are moved apart (the lowest first, none below the axes nor above them), so that
+    no two overlap; the layout is run once with the labels at their own heights to learn the axes' size."""
+    order = sorted(range(len(finals)), key=lambda index: finals[index][0])
+    labels = [axes.annotate(f"{finals[index][0]:.3g}", xy=(1.0, finals[index][0]),
+                            xycoords=("axes fraction", "data"), xytext=(4, 0), textcoords="offset points",
+                            va="center", ha="left", fontsize=FINAL_VALUE_FONTSIZE, color=finals[index][1],
+                            annotation_clip=False)
+              for index in order]
+    figure.draw_without_rendering()  # the constrained layout, now making room for the labels
+    height_points = axes.get_window_extent().height * 72 / figure.dpi
+    gap = 1.25 * FINAL_VALUE_FONTSIZE / height_points  # a line of text, as a fraction of the axes' height
+    # heights as fractions of the (logarithmic) axis, pushed apart upwards, then back down from the top
+    low, high = (math.log10(limit) for limit in axes.get_ylim())
+    wanted = [(math.log10(finals[index][0]) - low) / (high - low) for index in order]
+    placed = []
+    for fraction in wanted:
+        placed.append(max(fraction, placed[-1] + gap) if placed else fraction)
+    top = 1.0
+    for position in reversed(range(len(placed))):
+        placed[position] = min(placed[position], top)
+        top = placed[position] - gap
+    for label, fraction in zip(labels, placed):
+        label.xy = (1.0, 10 ** (low + fraction * (high - low)))
 
 
 def plot_table3_bleu(labels: Sequence[str], ours: Sequence[float], ours_std: Sequence[float] | None,
@@ -115,6 +164,39 @@ def plot_table3_bleu(labels: Sequence[str], ours: Sequence[float], ours_std: Seq
 
 def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
                    panel_titles: Sequence[str], highlight_rows: Sequence[int] = (), columns: int | None = None) -> Path:
+    """Attention heatmaps (``attention_figure``) as a PNG."""
+    return _save(attention_figure(weights, tokens, title, panel_titles, highlight_rows, columns), path)
+
+
+TITLE_FONTSIZE = 11
+
+
+def wrap_to_width(figure, text: str, fontsize: float, inches: float) -> list[str]:
+    """``text``'s lines broken between words so that each fits in ``inches`` at ``fontsize``, as measured
+    by the figure's renderer (a title set in one line is clipped at the figure's edges, not wrapped)."""
+    from matplotlib.font_manager import FontProperties
+
+    renderer = figure.canvas.get_renderer()
+    font = FontProperties(size=fontsize)
+
+    def fits(line: str) -> bool:
+        return renderer.get_text_width_height_descent(line, font, ismath=False)[0] / figure.dpi <= inches
+
+    lines = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if line and not fits(candidate):
+                lines.append(line)
+                candidate = word
+            line = candidate
+        lines.append(line)
+    return lines
+
+
+def attention_figure(weights, tokens: Sequence[str], title: str, panel_titles: Sequence[str],
+                     highlight_rows: Sequence[int] = (), columns: int | None = None):
     """Attention heatmaps, one panel per head: rows attend (queries), columns are attended to (keys).
 
     weights: (panels, len, len) array with rows summing to 1; tokens label both axes. The rows in
@@ -137,10 +219,14 @@ def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
     # Margins are computed from the longest label instead of by a layout engine, which would measure
     # every one of the (heads x 2 x len) tick labels once more before drawing: half the time of a figure.
     labels = 0.2 + 0.65 * fontsize / 72 * max((len(token) for token in tokens), default=1)
-    title_space, gap, colourbar, heading = 0.35, 0.3, 1.1, 0.8
+    title_space, gap, colourbar = 0.35, 0.3, 1.1
     cell_width, cell_height = labels + inches + gap, title_space + inches + labels + gap
-    width, height = columns * cell_width + colourbar, rows * cell_height + heading
-    figure = _figure(width, height, layout=None)
+    width = columns * cell_width + colourbar
+    figure = _figure(width, 1.0, layout=None)  # its height once the title is wrapped to its width
+    title_lines = wrap_to_width(figure, title, TITLE_FONTSIZE, width - 0.4)
+    heading = 0.4 + 1.4 * TITLE_FONTSIZE / 72 * len(title_lines)  # a line and a bit per line of title
+    height = rows * cell_height + heading
+    figure.set_size_inches(width, height)
     top = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
     image = None
     for panel in range(panels):
@@ -161,5 +247,5 @@ def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
     bar = figure.add_axes(((width - colourbar + 0.2) / width, (height - heading - title_space - bar_height) / height,
                            0.2 / width, bar_height / height))
     figure.colorbar(image, cax=bar, label="attention weight")
-    figure.suptitle(title, fontsize=11, y=1 - 0.15 / height, va="top")
-    return _save(figure, path)
+    figure.suptitle("\n".join(title_lines), fontsize=TITLE_FONTSIZE, y=1 - 0.15 / height, va="top")
+    return figure

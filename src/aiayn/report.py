@@ -195,6 +195,22 @@ def dev_perplexity_curves(files: dict) -> dict[str, dict[int, list[tuple[int, fl
     return curves
 
 
+def markdown_columns(table):
+    """The columns a reader of the .md gets, and the names of those left out.
+
+    The two token columns are shown as one (``TOKENS_COLUMN``), and a column empty in every row goes: the
+    paper's numbers (and their differences) for presets the paper has no row for, as every demo preset,
+    and the GPU cost of a run on a CPU. The .csv keeps every column, so that its layout never changes;
+    the paper config's tables keep their paper columns, which have numbers.
+    """
+    import pandas as pd
+
+    shown = table.drop(columns=[c for c in table.columns if c.startswith(("real_src_tokens", "real_tgt_tokens"))])
+    empty = [column for column in shown.columns
+             if shown[column].map(lambda value: pd.isna(value) or value == "").all()]
+    return shown.drop(columns=empty), empty
+
+
 def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
     notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
              f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n"
@@ -247,9 +263,11 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
     ):
         with atomic_path(out_dir / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
-        shown = table.drop(columns=[c for c in table.columns if c.startswith(("real_src_tokens", "real_tgt_tokens"))])
+        shown, left_out = markdown_columns(table)
         markdown = shown.to_markdown(index=False, floatfmt=".4g")
-        write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}")
+        left_out_note = (f"\nLeft out here, empty in every row (`{name}.csv` keeps them): "
+                         f"{', '.join(f'`{column}`' for column in left_out)}.\n" if left_out else "")
+        write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}{left_out_note}")
         written += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
     if figures:
         from aiayn import plots
