@@ -2,8 +2,8 @@
 
 Top-down: the config, then multi-head attention (Section 3.2), the position-wise feed-forward network
 (3.3), embeddings with positions (3.4, 3.5), the encoder and decoder layers (3.1), and the
-``Transformer`` that stacks them. The paper alone: what exists for decoding speed (the decoder's
-cache, packed weights) lives in ``aiayn.incremental`` and ``aiayn.packed``, which import this module.
+``Transformer`` that stacks them. The paper alone: what exists for speed (the decoder's cache, packed
+weights, CPU kernels) lives in the ``aiayn.speed`` wing, which imports this module.
 
 Imports torch alone, so that it runs on a bare GPU image with ``PYTHONPATH=src``.
 """

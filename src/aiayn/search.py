@@ -3,7 +3,7 @@
 The paper decodes with beam size 4, length penalty alpha = 0.6, a maximum output length of input
 length + 50, and terminates early when possible. This module is that search as tensor operations
 over sentences x beams, driven by a model's cached one-token step (``SearchModel``; for a
-Transformer, ``aiayn.incremental.InferenceModel``). The decode stage's files, batches and threads
+Transformer, ``aiayn.speed.incremental.InferenceModel``). The decode stage's files, batches and threads
 are ``aiayn.decode``.
 
 Top-down: the search settings, the length penalty, the greedy reference decoder, the beam search.
@@ -73,7 +73,7 @@ class Hypothesis:
 
 class SearchModel(Protocol):
     """What the search drives: an encoder and a cached one-token decoder step. The cache is the
-    model's own (the search only passes it back); ``aiayn.incremental.InferenceModel`` documents the
+    model's own (the search only passes it back); ``aiayn.speed.incremental.InferenceModel`` documents the
     arguments. A model with a ``config`` whose positional is "learned" caps the output length there."""
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]: ...

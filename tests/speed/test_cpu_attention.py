@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from aiayn.cpu_attention import BF16CPUAttention, bf16_attention, cpu_attention
+from aiayn.speed.cpu_attention import BF16CPUAttention, bf16_attention, cpu_attention
 from aiayn.model import ModelConfig, MultiHeadAttention, Transformer, key_padding_mask
 
 CONFIG = ModelConfig(vocab_size=40, n_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.1)
@@ -74,14 +74,14 @@ def test_fp32_inputs_and_modules_off_the_cpu_keep_the_papers_attention_exactly()
 
 
 def test_under_bf16_autocast_it_computes_in_bf16_and_stays_within_rounding_of_the_papers_module(monkeypatch):
-    import aiayn.cpu_attention
+    import aiayn.speed.cpu_attention
 
     torch.manual_seed(0)
     paper = MultiHeadAttention(CONFIG)
     ours = copy.deepcopy(paper)
     ours.__class__ = BF16CPUAttention
     calls = []
-    monkeypatch.setattr(aiayn.cpu_attention, "bf16_attention",
+    monkeypatch.setattr(aiayn.speed.cpu_attention, "bf16_attention",
                         lambda *args: calls.append(args[0].dtype) or bf16_attention(*args))
     x = torch.randn(2, 6, CONFIG.d_model)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.incremental import InferenceModel, ScratchBuffers, _few_query_attention, key_padding_bias
 from aiayn.model import Transformer
-from aiayn.packed import _onednn_linear_available
+from aiayn.speed.incremental import InferenceModel, ScratchBuffers, _few_query_attention, key_padding_bias
+from aiayn.speed.packed import _onednn_linear_available
 from test_model import PAD, VOCAB, tiny_config, tiny_model, tokens  # the same tiny float64 models
 
 

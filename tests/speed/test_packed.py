@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.packed import PackedWeights, step_linear
+from aiayn.speed.packed import PackedWeights, step_linear
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])

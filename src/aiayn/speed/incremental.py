@@ -5,7 +5,7 @@ For speed only; ``aiayn.model`` is the paper and the reference these equal (test
 ``decode_step`` and ``reorder_cache``. The encoder-decoder keys and values are computed once per
 sentence; the decoder's self-attention keys and values are written one position per step into
 buffers allocated once (``DecoderCache``). On the CPU in float32 the linear maps use weights packed
-once for oneDNN (``aiayn.packed``), and attention over a few queries is two matrix multiplies.
+once for oneDNN (``aiayn.speed.packed``), and attention over a few queries is two matrix multiplies.
 
 Make one ``InferenceModel`` per loaded model and reuse it: it keeps the packed weights, which it
 repacks only when the model's weights change.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.model import DecoderLayer, EncoderLayer, ModelConfig, MultiHeadAttention, Transformer, key_padding_mask
-from aiayn.packed import PackedWeights, StepLinears, packs_for_onednn
+from aiayn.speed.packed import PackedWeights, StepLinears, packs_for_onednn
 
 
 class InferenceModel:

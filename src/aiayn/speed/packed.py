@@ -2,7 +2,7 @@
 
 For speed only (``BENCHMARKS.md``): F.linear goes through MKL, which repacks its weight on every call;
 a weight reordered once into oneDNN's blocked layout is multiplied by oneDNN directly, with a ReLU or a
-post-norm residual sum fused into the same call. ``aiayn.incremental`` applies these maps in the
+post-norm residual sum fused into the same call. ``aiayn.speed.incremental`` applies these maps in the
 cached decoder step and in the encoder when it runs without gradients in eval mode. Elsewhere (CUDA,
 autocast, a torch without oneDNN) each map is F.linear, so the same code runs on every device.
 """
