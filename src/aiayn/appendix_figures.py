@@ -4,7 +4,8 @@ The model attends through torch's ``scaled_dot_product_attention``, which fuses 
 hands out the weights. To draw them, this module recomputes softmax(Q K^T / sqrt(d_k)) (the model's
 Eq. 1, with V the identity) for one encoder layer from that layer's own modules: a forward pre-hook
 captures the layer's input and padding mask during an ordinary ``encode``, then the attention
-module's ``queries`` and ``keys_values`` project it exactly as its forward pass does. Training and decoding never call this.
+module's ``queries`` and ``keys_values`` project it exactly as its forward pass does. Training and
+decoding never call this.
 
 The pictures (docs/PAPER.md, "Attention pictures"): every head of encoder layer 5 of 6 on the
 long-distance sentence, and the two heads of that layer that attend most from "its" to "Law" and

@@ -288,7 +288,7 @@ def beam_search(
         keep_rows = (keep_rows if order is None else keep_rows[order]).reshape(-1)
         # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
         cache_rows = keep_rows // beam if step == 0 else keep_rows
-        ended, copied = _read_step(model, cache, cache_rows, done, order, beam, reads_free)
+        ended, copied = _read_step(model, cache, cache_rows, done, order, beam)
         kept = None  # the sentences that go on, when some ended
         if ended:
             beams.write_results()
@@ -307,11 +307,10 @@ def beam_search(
 
 def _read_step(
     model: SearchModel, cache: Any, cache_rows: Tensor, done: Tensor, order: Tensor | None, beam: int,
-    reads_free: bool,
 ) -> tuple[int, int | None]:
     """The step's one read of the device: how many sentences ended, and how many (row, position) blocks
-    of keys and values the cache copy moves for the rows of the sentences that go on (None: the cache
-    reads it, where reads are free). Nothing to read when no sentence ended on the CPU (order is None)."""
+    of keys and values the cache copy moves for the rows of the sentences that go on, so that the copy
+    reads nothing. Without an order (the CPU, where no sentence ended) nothing is read here: (0, None)."""
     if order is None:
         return 0, None
     ended_count = done.sum()
