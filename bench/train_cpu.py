@@ -3,10 +3,10 @@
 Both models are the paper's post-norm, sinusoidal, shared-embedding Transformer built at the
 same size, fed the same synthetic length-bucketed batches, trained with label-smoothed cross
 entropy (0.1) and Adam at the same precision (the trainer's autocast context: in bf16 on the
-CPU ours attends in bf16 as the trainer does, aiayn.cpu_attention, and the peer through SDPA's math
+CPU ours attends in bf16 as the trainer does, aiayn.speed.cpu_attention, and the peer through SDPA's math
 kernel), one after the other, with the median of the timed steps reported.
 With a peer on the CPU each model is timed in a fresh process: ours with freed host memory kept, as
-`aiayn train` keeps it (aiayn.host_memory), the peer as Hugging Face runs it (``--peer-host-memory
+`aiayn train` keeps it (aiayn.speed.host_memory), the peer as Hugging Face runs it (``--peer-host-memory
 kept``: as ours). Ours is the trainer's objective: the chunked output projection and loss of
 aiayn.loss. `transformers` is only needed for the peer:
 
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.batching import Batch, padded_to_multiple
-from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
+from aiayn.speed.host_memory import keep_freed_memory
 from aiayn.train import (COMPILE_MULTIPLE, adam, autocast_context, compiled, forward_flops, model_for_training,
                          peak_flops)
 
@@ -180,7 +180,7 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
 def measure_apart(build, config, batches, device: str, precision: str, warmup: int, *, kept_memory: bool,
                   apart: bool, **options) -> dict:
     """``measure``; where ``apart`` (a peer is timed too) and on the CPU, in a fresh process, so that
-    no model inherits another's heap, with host memory kept (aiayn.host_memory) where ``kept_memory``,
+    no model inherits another's heap, with host memory kept (aiayn.speed.host_memory) where ``kept_memory``,
     as `aiayn train` keeps it. Otherwise in this process, which keeps its memory (``main``); a GPU's
     caching allocator holds device memory either way. ``options`` go to ``measure``."""
     args = (build, config, batches, device, precision, warmup)

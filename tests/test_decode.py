@@ -15,9 +15,9 @@ from aiayn.config import load_config, resolve_preset, to_json
 from aiayn.decode import hypothesis_text, main, resolve_tokens_per_batch, search_batches
 from aiayn.decode import translate as translate_text
 from aiayn.errors import UserError
-from aiayn.incremental import InferenceModel
 from aiayn.model import Transformer
 from aiayn.search import SearchConfig, beam_search
+from aiayn.speed.incremental import InferenceModel
 from conftest import REPO
 from test_search import sources, tiny_model  # the search's tiny random models and padded sources
 

@@ -13,12 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aiayn import search
 from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
-from aiayn.incremental import InferenceModel
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import (
     SearchConfig,
     beam_search,
-    first_differing_positions,
     greedy_search,
     length_penalty,
     max_output_lengths,
@@ -26,6 +24,7 @@ from aiayn.search import (
     surviving_order,
     top_k,
 )
+from aiayn.speed.incremental import InferenceModel
 
 VOCAB = 24
 
@@ -122,9 +121,12 @@ class BigramModel(nn.Module):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None, copied=None):
+    def reorder_cache(self, cache, index, sources=None, copied=None):
         cache.src_pad = cache.src_pad.index_select(0, index)
         return cache
+
+    def copy_lengths(self, cache, index, sources=None):
+        return torch.zeros_like(index)
 
 
 A, B, C = 5, 6, 7
@@ -209,22 +211,12 @@ def test_surviving_order_keeps_places_and_fills_holes_from_the_end():
     assert surviving_order(torch.tensor([True, True, False, False])).tolist() == [2, 3, 0, 1]
 
 
-def test_first_differing_positions_follow_the_shared_tokens_of_a_sentence():
-    # Two sentences of beam 2 after step 3 (tokens of steps 0..2); the fourth column is not written yet.
-    tokens = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 0], [9, 4, 4, 0], [10, 4, 4, 0]])
-    keep_rows = torch.tensor([1, 1, 3, 2])
-    # Row 0 takes row 1's hypothesis: tokens 0 and 1 agree, so positions 0..2 (BOS, 5, 6) are shared.
-    # Row 1 keeps its own (nothing to copy: filled = 4). Rows 2 and 3 swap: they differ at token 0.
-    assert first_differing_positions(tokens, tokens[keep_rows], 3, 2, None).tolist() == [3, 4, 1, 1]
-    # The first sentence ends and the second moves into its rows: nothing of theirs is shared.
-    assert first_differing_positions(tokens, tokens[keep_rows[2:]], 3, 2, torch.tensor([1])).tolist() == [0, 0]
-
-
 class FullCopyTransformer(InferenceModel):
-    """Copies the whole written history of every row that moves, as reorder_cache did before copy_from."""
+    """Copies the whole written history of every row that moves, as reorder_cache did before it compared
+    the tokens fed."""
 
-    def reorder_cache(self, cache, index, sources=None, filled=None, group=None, copy_from=None, copied=None):
-        return super().reorder_cache(cache, index, sources, filled, group)
+    def copy_starts(self, cache, index, sources=None):
+        return torch.where(index.eq(torch.arange(index.shape[0])), cache.filled, 0)
 
 
 @pytest.mark.parametrize("kind", ["half_trained", "random"])

@@ -86,7 +86,7 @@ def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(p
 
 
 def test_training_on_the_cpu_uses_the_cheaper_dropout_mask(prepared, tmp_path):
-    from aiayn.dropout import MaskDropout
+    from aiayn.speed.dropout import MaskDropout
     from aiayn.train import Trainer
 
     model = Trainer(job(prepared, tmp_path / "run")).model
@@ -459,7 +459,7 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
 
 
 def test_training_on_the_cpu_uses_the_bf16_attention(prepared, tmp_path):
-    from aiayn.cpu_attention import BF16CPUAttention
+    from aiayn.speed.cpu_attention import BF16CPUAttention
     from aiayn.model import MultiHeadAttention
     from aiayn.train import Trainer
 

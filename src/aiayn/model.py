@@ -1,9 +1,10 @@
 """The Transformer of "Attention Is All You Need", read as the paper's Figure 1.
 
-Top-down: the config, then multi-head attention (Section 3.2), the position-wise feed-forward network
-(3.3), embeddings with positions (3.4, 3.5), the encoder and decoder layers (3.1), and the
-``Transformer`` that stacks them. The paper alone: what exists for decoding speed (the decoder's
-cache, packed weights) lives in ``aiayn.incremental`` and ``aiayn.packed``, which import this module.
+Top-down: the config, then scaled dot-product attention (Eq. 1) and multi-head attention (Section 3.2),
+the position-wise feed-forward network (3.3), embeddings with positions (3.4, 3.5), the encoder and
+decoder layers (3.1), and the ``Transformer`` that stacks them. The paper alone: what exists for speed
+(the decoder's cache, packed weights, CPU kernels) lives in the ``aiayn.speed`` wing, which imports
+this module.
 
 Imports torch alone, so that it runs on a bare GPU image with ``PYTHONPATH=src``.
 """
@@ -102,6 +103,22 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
         raise UserError(f"{name} = {value} must be at least {minimum}")
 
 
+def scaled_dot_product_attention(
+    queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False
+) -> Tensor:
+    """Section 3.2.1, Eq. 1: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, for every head at once.
+
+    queries (batch, heads, tgt_len, d_k), keys (batch, heads, src_len, d_k), values (batch, heads,
+    src_len, d_v) -> (batch, heads, tgt_len, d_v). key_mask is True where a key may be attended to
+    (broadcast over heads and queries); causal hides the keys after each query's position (3.2.3).
+    The one definition of attention: the faster kernels of ``aiayn.speed`` are tested against it.
+    """
+    # SDPA's default scale is 1/sqrt of the query size, d_k. No dropout on the attention weights: the
+    # paper drops only sub-layer outputs and embedding sums (Section 5.4); the attention-dropout of
+    # some t2t hparams sets is not in the paper.
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, is_causal=causal)
+
+
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h heads of scaled dot-product attention (Eq. 1), concatenated and projected by W^O.
 
@@ -152,10 +169,7 @@ class MultiHeadAttention(nn.Module):
     def attend(
         self, queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False
     ) -> Tensor:
-        # Eq. 1, softmax(Q K^T / sqrt(d_k)) V: SDPA's default scale is 1/sqrt of the query size, d_k.
-        # No dropout on the attention weights: the paper drops only sub-layer outputs and embedding
-        # sums (Section 5.4); the attention-dropout of some t2t hparams sets is not in the paper.
-        heads = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, is_causal=causal)
+        heads = scaled_dot_product_attention(queries, keys, values, key_mask, causal)  # Eq. 1, every head
         return self.output(self.merge_heads(heads))  # (batch, tgt_len, d_model)
 
     def split_heads(self, projected: Tensor, size: int) -> Tensor:

@@ -337,7 +337,7 @@ def main(argv=None):
                           bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures)
     files = report["files"]
     if args.attention_model is not None and not args.no_figures:
-        from aiayn.attention import appendix_figures
+        from aiayn.appendix_figures import appendix_figures
 
         drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
         files += [drawn["long_distance"], drawn["anaphora"]]

@@ -3,7 +3,7 @@
 The paper decodes with beam size 4, length penalty alpha = 0.6, a maximum output length of input
 length + 50, and terminates early when possible. This module is that search as tensor operations
 over sentences x beams, driven by a model's cached one-token step (``SearchModel``; for a
-Transformer, ``aiayn.incremental.InferenceModel``). The decode stage's files, batches and threads
+Transformer, ``aiayn.speed.incremental.InferenceModel``). The decode stage's files, batches and threads
 are ``aiayn.decode``.
 
 Top-down: the search settings, the length penalty, the greedy reference decoder, the beam search.
@@ -73,7 +73,7 @@ class Hypothesis:
 
 class SearchModel(Protocol):
     """What the search drives: an encoder and a cached one-token decoder step. The cache is the
-    model's own (the search only passes it back); ``aiayn.incremental.InferenceModel`` documents the
+    model's own (the search only passes it back); ``aiayn.speed.incremental.InferenceModel`` documents the
     arguments. A model with a ``config`` whose positional is "learned" caps the output length there."""
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]: ...
@@ -85,9 +85,10 @@ class SearchModel(Protocol):
     def decode_step(self, tokens: Tensor, position: int, cache: Any) -> Tensor: ...
 
     def reorder_cache(
-        self, cache: Any, index: Tensor, sources: Tensor | None = None, filled: int | None = None,
-        group: int | None = None, copy_from: Tensor | None = None, copied: int | None = None,
+        self, cache: Any, index: Tensor, sources: Tensor | None = None, copied: int | None = None,
     ) -> Any: ...
+
+    def copy_lengths(self, cache: Any, index: Tensor, sources: Tensor | None = None) -> Tensor: ...
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
@@ -262,135 +263,196 @@ def beam_search(
     free (``reads_are_free``), a step also reads to skip work that most steps do not need.
     """
     beam = config.beam_size
-    device = src.device
     batch = src.shape[0]
     if batch == 0:
         return []
-    reads_free = reads_are_free(device)
-    max_lens = _output_lengths(model, src, config.max_len_a, config.max_len_b).to(device)
+    reads_free = reads_are_free(src.device)
+    max_lens = _output_lengths(model, src, config.max_len_a, config.max_len_b).to(src.device)
     longest = int(max_lens.max())
-    width = longest + 1  # token slots: up to max_len tokens (the EOS is not stored), never zero
-
     memory, src_pad = model.encode(src)
     # All beams start as the same empty hypothesis, so the first step decodes one row per sentence;
     # the cache then grows into one group of beam rows per sentence, which share the sentence's
     # encoder-decoder keys and values.
     cache = model.init_cache(memory, src_pad, longest + 1, capacity=batch * beam, scratch=scratch)
-
-    sentence_ids = torch.arange(batch, device=device)  # (active,) the input row of each active sentence
-    live_log_probs = torch.zeros((batch, 1), device=device)  # (active, rows per sentence this step)
-    live_tokens = torch.full((batch * beam, width), PAD_ID, dtype=torch.long, device=device)
-    last_tokens = torch.full((batch,), BOS_ID, dtype=torch.long, device=device)
-    finished_scores = torch.full((batch, beam), -math.inf, device=device)  # sorted, best first
-    finished_log_probs = torch.full((batch, beam), -math.inf, device=device)
-    finished_tokens = torch.full((batch, beam, width), PAD_ID, dtype=torch.long, device=device)
-    candidate_rank = torch.arange(2 * beam, device=device)
-    # Each sentence's n_best, written when its search ends and read once after the loop.
-    result_scores = torch.full((batch, config.n_best), -math.inf, device=device)
-    result_log_probs = torch.full((batch, config.n_best), -math.inf, device=device)
-    result_tokens = torch.full((batch, config.n_best, width), PAD_ID, dtype=torch.long, device=device)
-
+    beams = _Beams.start(max_lens, beam, config.n_best, width=longest + 1)
     for step in range(longest + 1):
+        force_eos = beams.max_lens.eq(step)[:, None].expand_as(beams.live_log_probs).reshape(-1)
+        log_probs = _step_log_probs(model.decode_step(beams.last_tokens, step, cache), force_eos, reads_free)
+        candidates = _Candidates.best(log_probs, beams.live_log_probs, beam)
+        beams.finish(candidates, step, config.length_penalty, reads_free)
+        keep_rows, new_tokens = beams.continue_live(candidates)
+        done = beams.done(step, config)
+        # The sentences that go on move to the first places (surviving_order). On the CPU a step where
+        # no sentence ended (most) keeps the sentences in place without computing an order.
+        order = None if reads_free and not bool(done.any()) else surviving_order(done)  # (active,)
+        keep_rows = (keep_rows if order is None else keep_rows[order]).reshape(-1)
+        # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
+        cache_rows = keep_rows // beam if step == 0 else keep_rows
+        ended, copied = _read_step(model, cache, cache_rows, done, order, beam)
+        kept = None  # the sentences that go on, when some ended
+        if ended:
+            beams.write_results()
+            if ended == beams.active:
+                break
+            kept = order[: beams.active - ended]
+            rows_kept = kept.shape[0] * beam
+            cache_rows, keep_rows, new_tokens = cache_rows[:rows_kept], keep_rows[:rows_kept], new_tokens[kept]
+            beams.keep(kept)
+        # The first step regroups the cache (its sources given), later steps keep the grouping.
+        sources = kept if kept is not None or step > 0 else torch.arange(beams.active, device=src.device)
+        cache = model.reorder_cache(cache, cache_rows, sources=sources, copied=copied)
+        beams.extend(keep_rows, new_tokens, step)
+    return _hypotheses(beams.result_scores, beams.result_log_probs, beams.result_tokens)
+
+
+def _read_step(
+    model: SearchModel, cache: Any, cache_rows: Tensor, done: Tensor, order: Tensor | None, beam: int,
+) -> tuple[int, int | None]:
+    """The step's one read of the device: how many sentences ended, and how many (row, position) blocks
+    of keys and values the cache copy moves for the rows of the sentences that go on, so that the copy
+    reads nothing. Without an order (the CPU, where no sentence ended) nothing is read here: (0, None)."""
+    if order is None:
+        return 0, None
+    ended_count = done.sum()
+    going_on = torch.arange(cache_rows.shape[0], device=done.device) < (done.shape[0] - ended_count) * beam
+    copied = (model.copy_lengths(cache, cache_rows, order) * going_on).sum()
+    ended, copied = torch.stack([ended_count, copied]).tolist()
+    return ended, copied
+
+
+@dataclass
+class _Candidates:
+    """A step's best 2 * beam_size continuations of each sentence, best first: (active, 2 * beam)."""
+
+    log_probs: Tensor  # the hypothesis's log-prob with the token's
+    parents: Tensor  # the live hypothesis (beam slot) it continues
+    tokens: Tensor
+    rows: Tensor  # the parent's row of the live tokens (sentence * beam + slot)
+
+    @classmethod
+    def best(cls, log_probs: Tensor, live_log_probs: Tensor, beam: int) -> _Candidates:
+        """log_probs (active * rows, vocab) of the next token, live_log_probs (active, rows)."""
         active, rows = live_log_probs.shape  # rows: 1 at the first step, then beam
-        force_eos = max_lens.eq(step)[:, None].expand(active, rows).reshape(-1)
-        log_probs = _step_log_probs(model.decode_step(last_tokens, step, cache), force_eos, reads_free)
-        vocab = log_probs.shape[1]  # log_probs: (active * rows, vocab)
+        vocab = log_probs.shape[1]
         totals = log_probs.add_(live_log_probs.reshape(-1, 1)).view(active, rows * vocab)
         if totals.shape[1] < 2 * beam:  # a first step over a vocabulary smaller than the candidates kept
             totals = F.pad(totals, (0, 2 * beam - totals.shape[1]), value=-math.inf)
         top_log_probs, top_index = top_k(totals, 2 * beam)  # (active, 2 * beam), best first
-        top_beam = torch.div(top_index, vocab, rounding_mode="floor")
-        top_token = top_index % vocab
-        source_rows = (torch.arange(active, device=device) * beam)[:, None] + top_beam  # rows of live_tokens
-        is_eos = top_token.eq(EOS_ID)
+        parents = torch.div(top_index, vocab, rounding_mode="floor")
+        rows_of_parents = (torch.arange(active, device=parents.device) * beam)[:, None] + parents
+        return cls(top_log_probs, parents, top_index % vocab, rows_of_parents)
 
-        # Finish the EOS candidates among the top beam_size; merge with earlier ones, keep the best beam_size.
-        # On the CPU a step where nothing ends skips the merge (its concatenations and gathers); elsewhere
-        # asking would cost a device synchronisation.
-        ends = is_eos[:, :beam] & top_log_probs[:, :beam].isfinite()
-        if not reads_free or bool(ends.any()):
-            end_log_probs = top_log_probs[:, :beam].masked_fill(~ends, -math.inf)
-            end_scores = end_log_probs / length_penalty(step + 1.0, config.length_penalty)
-            end_tokens = live_tokens[source_rows[:, :beam].reshape(-1)].view(active, beam, width)
-            merged_scores, merged_index = torch.cat([finished_scores, end_scores], dim=1).topk(beam, dim=1)
-            finished_scores = merged_scores
-            finished_log_probs = torch.cat([finished_log_probs, end_log_probs], dim=1).gather(1, merged_index)
-            finished_tokens = torch.cat([finished_tokens, end_tokens], dim=1).gather(
-                1, merged_index[:, :, None].expand(-1, -1, width)
-            )
 
-        # The best beam_size candidates that do not end stay live (there are at least beam_size of them,
-        # as each live hypothesis has one EOS among its candidates).
-        live_positions = (is_eos.long() * 2 * beam + candidate_rank).argsort(dim=1)[:, :beam]
-        slots = stable_slots(top_beam.gather(1, live_positions))
-        live_positions = live_positions.gather(1, slots.argsort(dim=1))  # slot order, no longer best first
-        live_log_probs = top_log_probs.gather(1, live_positions)
-        keep_rows = source_rows.gather(1, live_positions)  # (active, beam)
-        new_tokens = top_token.gather(1, live_positions)
+@dataclass
+class _Beams:
+    """The search's state: per active sentence its live and finished hypotheses, and per input
+    sentence its n_best, written when its search ends and read once after the loop."""
 
-        best_live = live_log_probs.max(dim=1).values
-        done = max_lens.le(step) | ~best_live.isfinite()
+    sentence_ids: Tensor  # (active,) the input row of each active sentence
+    max_lens: Tensor  # (active,)
+    live_log_probs: Tensor  # (active, rows per sentence this step)
+    live_tokens: Tensor  # (active * beam, width)
+    last_tokens: Tensor  # (active * rows,) the tokens the next step feeds
+    finished_scores: Tensor  # (active, beam), sorted, best first
+    finished_log_probs: Tensor
+    finished_tokens: Tensor  # (active, beam, width)
+    result_scores: Tensor  # (batch, n_best)
+    result_log_probs: Tensor
+    result_tokens: Tensor  # (batch, n_best, width)
+
+    @classmethod
+    def start(cls, max_lens: Tensor, beam: int, n_best: int, width: int) -> _Beams:
+        """Every sentence with one live empty hypothesis; width: token slots, up to max_len tokens (the
+        EOS is not stored), never zero."""
+        batch, device = max_lens.shape[0], max_lens.device
+        return cls(
+            sentence_ids=torch.arange(batch, device=device),
+            max_lens=max_lens,
+            live_log_probs=torch.zeros((batch, 1), device=device),
+            live_tokens=torch.full((batch * beam, width), PAD_ID, dtype=torch.long, device=device),
+            last_tokens=torch.full((batch,), BOS_ID, dtype=torch.long, device=device),
+            finished_scores=torch.full((batch, beam), -math.inf, device=device),
+            finished_log_probs=torch.full((batch, beam), -math.inf, device=device),
+            finished_tokens=torch.full((batch, beam, width), PAD_ID, dtype=torch.long, device=device),
+            result_scores=torch.full((batch, n_best), -math.inf, device=device),
+            result_log_probs=torch.full((batch, n_best), -math.inf, device=device),
+            result_tokens=torch.full((batch, n_best, width), PAD_ID, dtype=torch.long, device=device),
+        )
+
+    @property
+    def active(self) -> int:
+        return self.sentence_ids.shape[0]
+
+    @property
+    def beam(self) -> int:
+        return self.finished_scores.shape[1]
+
+    def finish(self, candidates: _Candidates, step: int, alpha: float, reads_free: bool) -> None:
+        """The EOS candidates among the top beam_size finish (their score divided by the length penalty)
+        and merge with the earlier ones, keeping the best beam_size. On the CPU a step where nothing
+        ends skips the merge (its concatenations and gathers); elsewhere asking would cost a device
+        synchronisation."""
+        beam, width = self.beam, self.live_tokens.shape[1]
+        top_log_probs = candidates.log_probs[:, :beam]
+        ends = candidates.tokens[:, :beam].eq(EOS_ID) & top_log_probs.isfinite()
+        if reads_free and not bool(ends.any()):
+            return
+        end_log_probs = top_log_probs.masked_fill(~ends, -math.inf)
+        end_scores = end_log_probs / length_penalty(step + 1.0, alpha)
+        end_tokens = self.live_tokens[candidates.rows[:, :beam].reshape(-1)].view(self.active, beam, width)
+        merged_scores, merged_index = torch.cat([self.finished_scores, end_scores], dim=1).topk(beam, dim=1)
+        self.finished_scores = merged_scores
+        self.finished_log_probs = torch.cat([self.finished_log_probs, end_log_probs], dim=1).gather(1, merged_index)
+        self.finished_tokens = torch.cat([self.finished_tokens, end_tokens], dim=1).gather(
+            1, merged_index[:, :, None].expand(-1, -1, width)
+        )
+
+    def continue_live(self, candidates: _Candidates) -> tuple[Tensor, Tensor]:
+        """The best beam_size candidates that do not end stay live (there are at least beam_size of them,
+        as each live hypothesis has one EOS among its candidates), in the slots of their parents where
+        they can (``stable_slots``), so that only the cached keys and values of beams that branch are
+        copied. Sets their log-probs; returns the rows of their parents (active, beam) and their new
+        tokens (active, beam), in slot order."""
+        beam = self.beam
+        rank = torch.arange(2 * beam, device=candidates.tokens.device)
+        live = (candidates.tokens.eq(EOS_ID).long() * 2 * beam + rank).argsort(dim=1)[:, :beam]
+        slots = stable_slots(candidates.parents.gather(1, live))
+        live = live.gather(1, slots.argsort(dim=1))  # slot order, no longer best first
+        self.live_log_probs = candidates.log_probs.gather(1, live)
+        return candidates.rows.gather(1, live), candidates.tokens.gather(1, live)
+
+    def done(self, step: int, config: SearchConfig) -> Tensor:
+        """(active,) whether a sentence's search ends at this step (``beam_search`` says when)."""
+        best_live = self.live_log_probs.max(dim=1).values
+        done = self.max_lens.le(step) | ~best_live.isfinite()
         if config.stop_when_beam_finished:
-            done |= finished_scores.isfinite().sum(dim=1).ge(beam)
+            done |= self.finished_scores.isfinite().sum(dim=1).ge(self.beam)
         if config.early_stopping:
             best_possible_penalty = torch.maximum(
-                length_penalty((max_lens + 1).float(), config.length_penalty),
+                length_penalty((self.max_lens + 1).float(), config.length_penalty),
                 torch.full_like(best_live, float(length_penalty(step + 2.0, config.length_penalty))),
             )
-            done |= finished_scores[:, config.n_best - 1] >= best_live / best_possible_penalty
+            done |= self.finished_scores[:, config.n_best - 1] >= best_live / best_possible_penalty
+        return done
 
-        # The sentences that go on move to the first places (surviving_order), and each cache row takes
-        # over the row of its new hypothesis, copying the positions where the two differ. On the CPU a
-        # step where no sentence ended (most) keeps the sentences in place without computing an order.
-        order = None if reads_free and not bool(done.any()) else surviving_order(done)  # (active,)
-        if order is not None:
-            keep_rows = keep_rows[order]
-        keep_rows = keep_rows.reshape(-1)
-        kept_tokens = live_tokens[keep_rows]
-        if step == 0:
-            # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
-            cache_rows = keep_rows // beam
-            copy_from = torch.where(cache_rows.eq(torch.arange(active * beam, device=device)), 1, 0)
-        else:
-            # Only the positions written so far are copied, and of those only the ones where a row's
-            # new hypothesis differs from the one it replaces.
-            cache_rows = keep_rows
-            copy_from = first_differing_positions(live_tokens, kept_tokens, step, beam, order)
+    def write_results(self) -> None:
+        """Every active sentence's n_best is written; a sentence's last write is the one of the step it ended."""
+        n_best = self.result_scores.shape[1]
+        self.result_scores.index_copy_(0, self.sentence_ids, self.finished_scores[:, :n_best])
+        self.result_log_probs.index_copy_(0, self.sentence_ids, self.finished_log_probs[:, :n_best])
+        self.result_tokens.index_copy_(0, self.sentence_ids, self.finished_tokens[:, :n_best])
 
-        # The step's one read: how many sentences ended, and how many (row, position) blocks of keys and
-        # values the cache copy moves for the rows of the sentences that go on.
-        ended, copied = 0, None
-        if order is not None:
-            ended_count = done.sum()
-            copy_lengths = (step + 1 - copy_from).clamp(min=0)
-            going_on = torch.arange(active * beam, device=device) < (active - ended_count) * beam  # rows kept
-            ended, copied = torch.stack([ended_count, (copy_lengths * going_on).sum()]).tolist()
+    def keep(self, kept: Tensor) -> None:
+        """Only the sentences `kept` go on, in that order."""
+        for name in ("sentence_ids", "max_lens", "live_log_probs", "finished_scores", "finished_log_probs",
+                     "finished_tokens"):
+            setattr(self, name, getattr(self, name)[kept])
 
-        kept = None  # the sentences that go on, when some ended
-        if ended:
-            # Every active sentence's n_best is written; a sentence's last write is the one of the step it ended.
-            result_scores.index_copy_(0, sentence_ids, finished_scores[:, : config.n_best])
-            result_log_probs.index_copy_(0, sentence_ids, finished_log_probs[:, : config.n_best])
-            result_tokens.index_copy_(0, sentence_ids, finished_tokens[:, : config.n_best])
-            if ended == active:
-                break
-            kept = order[: active - ended]
-            rows_kept = (active - ended) * beam
-            sentence_ids = sentence_ids[kept]
-            max_lens = max_lens[kept]
-            live_log_probs = live_log_probs[kept]
-            finished_scores = finished_scores[kept]
-            finished_log_probs = finished_log_probs[kept]
-            finished_tokens = finished_tokens[kept]
-            new_tokens = new_tokens[kept]
-            cache_rows, copy_from, kept_tokens = cache_rows[:rows_kept], copy_from[:rows_kept], kept_tokens[:rows_kept]
-        # group: the first step's one row per sentence grows into beam rows; later steps keep that grouping.
-        cache = model.reorder_cache(cache, cache_rows, sources=kept, filled=step + 1, group=beam, copy_from=copy_from,
-                                    copied=copied)
-        live_tokens = kept_tokens
-        live_tokens[:, step] = new_tokens.reshape(-1)
-        last_tokens = live_tokens[:, step]
-    return _hypotheses(result_scores, result_log_probs, result_tokens)
+    def extend(self, keep_rows: Tensor, new_tokens: Tensor, step: int) -> None:
+        """Live hypothesis i is the one of row keep_rows[i] with new_tokens[i] appended at `step`."""
+        self.live_tokens = self.live_tokens[keep_rows]
+        self.live_tokens[:, step] = new_tokens.reshape(-1)
+        self.last_tokens = self.live_tokens[:, step]
 
 
 def surviving_order(done: Tensor) -> Tensor:
@@ -408,28 +470,6 @@ def surviving_order(done: Tensor) -> Tensor:
     hole_places, mover_places = (~holes).int().argsort(stable=True), (~movers).int().argsort(stable=True)
     hole_rank, mover_rank = (holes.cumsum(0) - 1).clamp(min=0), (movers.cumsum(0) - 1).clamp(min=0)
     return torch.where(holes, mover_places[hole_rank], torch.where(movers, hole_places[mover_rank], places))
-
-
-def first_differing_positions(
-    tokens: Tensor, new_tokens: Tensor, step: int, beam: int, kept: Tensor | None,
-) -> Tensor:
-    """The first decoder position at which new row i (hypothesis new_tokens[i]) may have other
-    self-attention keys and values than old row i (hypothesis tokens[i]), whose cache it takes over.
-
-    tokens (old rows, width) and new_tokens (new rows, width) hold each hypothesis's tokens of steps
-    0 .. step - 1 (beam search: new_tokens are the old rows that survive); decoder position
-    p reads the tokens before it (BOS, then tokens[:p]). Two hypotheses of one sentence whose first
-    k tokens agree descend from one hypothesis of length k, whose keys and values at positions
-    0 .. k were computed once and copied, so those positions need no copy. A row that takes over
-    another sentence's row starts at 0.
-    """
-    rows = new_tokens.shape[0]
-    differs = tokens[:rows, :step].ne(new_tokens[:, :step])  # (rows, step)
-    first = torch.where(differs.any(dim=1), differs.int().argmax(dim=1), step) + 1
-    if kept is not None:  # new row i is a row of sentence kept[i // beam]; old row i was of sentence i // beam
-        sentence = torch.arange(rows, device=kept.device) // beam
-        first = torch.where(kept[sentence].eq(sentence), first, 0)
-    return first
 
 
 def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[Hypothesis]]:

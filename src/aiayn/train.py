@@ -34,13 +34,13 @@ from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, choose_device, is_window_step,
                               list_checkpoints, load_checkpoint, save_model)
 from aiayn.config import check_resolved_preset, check_section
-from aiayn.cpu_attention import cpu_attention
-from aiayn.dropout import cpu_dropout
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
-from aiayn.host_memory import keep_freed_memory
 from aiayn.loss import TrainingObjective, teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
+from aiayn.speed.cpu_attention import cpu_attention
+from aiayn.speed.dropout import cpu_dropout
+from aiayn.speed.host_memory import keep_freed_memory
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; Snakemake's --retries (or a SLURM requeue) resumes
 

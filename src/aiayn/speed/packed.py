@@ -1,9 +1,9 @@
 """Linear maps for inference on the CPU with weights packed once into oneDNN's layout.
 
 For speed only (``BENCHMARKS.md``): F.linear goes through MKL, which repacks its weight on every call;
-a weight reordered once into oneDNN's blocked layout is multiplied by oneDNN directly, with a ReLU or a
-post-norm residual sum fused into the same call. ``aiayn.incremental`` applies these maps in the
-cached decoder step and in the encoder when it runs without gradients in eval mode. Elsewhere (CUDA,
+a weight reordered once into oneDNN's blocked layout is multiplied by oneDNN directly, with a ReLU
+fused into the same call. ``aiayn.speed.incremental`` applies these maps in the cached decoder step
+and in the encoder when it runs without gradients in eval mode. Elsewhere (CUDA,
 autocast, a torch without oneDNN) each map is F.linear, so the same code runs on every device.
 """
 
@@ -44,32 +44,21 @@ def stacked(tensors: Sequence[Tensor]) -> Tensor:
 
 def step_linear(
     weight: Tensor, bias: Tensor | None, relu: bool = False, packed: Tensor | None = None,
-) -> Callable[..., Tensor]:
-    """x -> x W^T + b (then ReLU if relu) for inference. Called as f(x, residual), it returns
-    x W^T + b + residual (a post-norm sub-layer's residual sum; not with relu).
+) -> Callable[[Tensor], Tensor]:
+    """x -> x W^T + b (then ReLU if relu) for inference.
 
     On the CPU in float32 (where torch has oneDNN) W is reordered into oneDNN's blocked layout (or
-    `packed` is that already) and each call multiplies by it with oneDNN, ReLU or the residual sum
-    fused, with the same float32 arithmetic as F.linear up to summation order; the fused sum gives the
-    bits of the separate one. Elsewhere (CUDA, autocast, no oneDNN) it is F.linear.
+    `packed` is that already) and each call multiplies by it with oneDNN, ReLU fused, with the same
+    float32 arithmetic as F.linear up to summation order. Elsewhere (CUDA, autocast, no oneDNN) it is F.linear.
     """
     if packed is not None or packs_for_onednn(weight):
         packed = pack_for_onednn(weight) if packed is None else packed
         if relu:
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "relu", [None], "")
-
-        def onednn(x: Tensor, residual: Tensor | None = None) -> Tensor:
-            if residual is None:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
-
-        return onednn
-
-    def linear(x: Tensor, residual: Tensor | None = None) -> Tensor:
-        y = F.linear(x, weight, bias)
-        return y if residual is None else y + residual
-
-    return (lambda x: F.relu(linear(x))) if relu else linear
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if relu:
+        return lambda x: F.relu(F.linear(x, weight, bias))
+    return lambda x: F.linear(x, weight, bias)
 
 
 class PackedWeights:
@@ -83,7 +72,7 @@ class PackedWeights:
     def __init__(self) -> None:
         self._packed: dict[str, tuple[tuple[tuple[int, int, int], ...], Tensor]] = {}
 
-    def linear(self, name: str, parts: Sequence[nn.Module], relu: bool = False) -> Callable[..., Tensor]:
+    def linear(self, name: str, parts: Sequence[nn.Module], relu: bool = False) -> Callable[[Tensor], Tensor]:
         """The maps `parts` (modules with a weight and maybe a bias) stacked along their outputs, as
         one step_linear (Q, K and V: one product); `name` identifies the stack in this model."""
         weights = [part.weight for part in parts]
@@ -103,11 +92,11 @@ class StepLinears:
     the cached decoder step, and the encoder without gradients in eval mode on the CPU."""
 
     self_qkv: Callable[[Tensor], Tensor]  # Q, K and V stacked (MultiHeadAttention.self_projections)
-    self_output: Callable[..., Tensor]  # (x) or (x, residual), as the maps of step_linear
+    self_output: Callable[[Tensor], Tensor]
     feed_forward_inner: Callable[[Tensor], Tensor]  # with the ReLU of Eq. 2
-    feed_forward_outer: Callable[..., Tensor]
+    feed_forward_outer: Callable[[Tensor], Tensor]
     cross_query: Callable[[Tensor], Tensor] | None = None  # decoder layers only
-    cross_output: Callable[..., Tensor] | None = None
+    cross_output: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
     def of(cls, layer: EncoderLayer | DecoderLayer, name: str, packed: PackedWeights) -> StepLinears:

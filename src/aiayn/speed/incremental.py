@@ -1,11 +1,14 @@
 """A trained Transformer prepared for beam search: a cached one-token decoder step and a fast encoder.
 
-For speed only; ``aiayn.model`` is the paper and the reference these equal (tests/test_incremental.py).
+For speed only; ``aiayn.model`` is the paper and the reference these equal (tests/speed/test_incremental.py).
 ``InferenceModel`` wraps a model and offers what ``aiayn.search`` drives: ``encode``, ``init_cache``,
-``decode_step`` and ``reorder_cache``. The encoder-decoder keys and values are computed once per
-sentence; the decoder's self-attention keys and values are written one position per step into
-buffers allocated once (``DecoderCache``). On the CPU in float32 the linear maps use weights packed
-once for oneDNN (``aiayn.packed``), and attention over a few queries is two matrix multiplies.
+``decode_step``, ``reorder_cache`` and ``copy_lengths``. Each layer runs the model's own layer code
+(``EncoderLayer.forward``, ``DecoderLayer.forward``) over sub-layers computed for inference
+(``InferenceEncoderLayer``, ``CachedDecoderLayer``): no dropout, linear maps packed once for oneDNN on
+the CPU in float32 (``aiayn.speed.packed``), and the decoder's attention reading a cache. The
+encoder-decoder keys and values are computed once per sentence; the decoder's self-attention keys and
+values are written one position per step into buffers allocated once (``DecoderCache``), which also
+keep the tokens fed, so that a reorder copies only the positions where a row's new history differs.
 
 Make one ``InferenceModel`` per loaded model and reuse it: it keeps the packed weights, which it
 repacks only when the model's weights change.
@@ -18,11 +21,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.model import DecoderLayer, EncoderLayer, ModelConfig, MultiHeadAttention, Transformer, key_padding_mask
-from aiayn.packed import PackedWeights, StepLinears, packs_for_onednn
+from aiayn.model import (DecoderLayer, EncoderLayer, ModelConfig, Transformer, key_padding_mask,
+                         scaled_dot_product_attention)
+from aiayn.speed.cpu_attention import key_padding_bias, matmul_attention
+from aiayn.speed.packed import PackedWeights, StepLinears, packs_for_onednn
 
 
 class InferenceModel:
@@ -45,7 +49,8 @@ class InferenceModel:
         src_mask = key_padding_mask(src_pad)
         x = model.embed(src)
         for index, layer in enumerate(model.encoder):
-            x = _encoder_layer(layer, x, src_mask, StepLinears.of(layer, f"encoder.{index}", self.packed))
+            packed = InferenceEncoderLayer(layer, StepLinears.of(layer, f"encoder.{index}", self.packed))
+            x = EncoderLayer.forward(packed, x, src_mask)
         return x, src_pad
 
     def init_cache(
@@ -66,7 +71,7 @@ class InferenceModel:
         keys, values = zip(*(layer.cross_attention.keys_values(memory) for layer in model.decoder))
         if memory.device.type == "cpu":
             # (layers, sources, heads, src_len, d_head), stored d_head-major: the CPU step multiplies
-            # queries by the transposed keys, which are then contiguous (`_few_query_attention`).
+            # queries by the transposed keys, which are then contiguous (`matmul_attention`).
             memory_keys = torch.stack([layer_keys.transpose(-1, -2) for layer_keys in keys]).transpose(-1, -2)
         else:
             memory_keys = torch.stack(keys)  # (layers, sources, heads, src_len, d_head), for SDPA
@@ -86,6 +91,7 @@ class InferenceModel:
             memory_values=memory_values,
             key_buffer=key_buffer,
             value_buffer=value_buffer,
+            fed=src_pad.new_empty((max_len, max(rows, capacity)), dtype=torch.long),
             rows=rows,
             src_pad=src_pad,
             group=group,
@@ -110,38 +116,34 @@ class InferenceModel:
             src_mask = key_padding_bias(cache.src_pad, cache.memory_keys.dtype)
         else:
             src_mask = key_padding_mask(cache.src_pad)
-        for layer_index, layer in enumerate(self.model.decoder):
-            x = _decoder_layer_step(layer, x, layer_index, position, cache, src_mask)
+        for index, layer in enumerate(self.model.decoder):
+            x = DecoderLayer.forward(CachedDecoderLayer(layer, cache, index, position), x, None, src_mask)
+        cache.fed[position, : cache.rows] = tokens
+        cache.filled = position + 1
         return cache.project(x[:, 0])
 
     def reorder_cache(
-        self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, filled: int | None = None,
-        group: int | None = None, copy_from: Tensor | None = None, copied: int | None = None,
+        self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None, copied: int | None = None,
     ) -> DecoderCache:
         """Keep decoder rows `index` (beam search: the hypotheses that survive), in that order.
 
-        With group = 1 the sources follow their rows (`index` may repeat rows, to grow a batch into
-        beams). With group > 1 rows move among the rows of their source unless `sources` says which
-        sources are kept (new source j is old source sources[j]; row i of the new cache must then
-        belong to new source i // group). A `group` other than the cache's regroups it: the sources
-        stay (or are `sources`), and the new rows, `group` per source, are the old rows `index`;
-        beam search decodes its first step with one row per sentence and then grows it into beams.
+        Without `sources`, the sources stay and rows move among the rows of their source; a cache of
+        one row per source (group 1) lets the sources follow their rows instead (`index` may repeat
+        rows, to grow a batch into beams). With `sources`, new source j is old source sources[j], and
+        each keeps len(index) // len(sources) rows, new row i belonging to new source i // that
+        group; beam search decodes its first step with one row per sentence and so grows it into beams.
 
-        Only positions below `filled` (default: all) are copied. `copy_from` (rows,) gives, for each
-        new row i, the first position to copy from old row index[i]: the positions before it must
-        already hold the same keys and values in row i (beam search: hypotheses of one sentence that
-        share their first tokens share the keys and values of those positions). By default a row that
-        stays where it is copies nothing and any other row copies all. `copied`, when the caller knows
-        it, is the number of (row, position) pairs that copy, the sum of (filled - copy_from) over the
-        rows where that is positive: given it, the copy reads nothing from the device (a
+        Only the positions fed so far are copied, and of a row only those from ``copy_starts`` on (the
+        positions before it already hold the same keys and values). `copied`, when the caller knows it,
+        is the sum of ``copy_lengths``: given it, the copy reads nothing from the device (a
         synchronisation on a GPU). Updates `cache` in place and returns it.
         """
-        filled = cache.max_len if filled is None else filled
-        if group is not None and group != cache.group:
-            kept = cache.memory_keys.shape[1] if sources is None else sources.shape[0]
-            if index.shape[0] != kept * group:
-                raise ValueError(f"{index.shape[0]} rows for {kept} sources of {group} rows each")
-            cache.group = group
+        filled, rows = cache.filled, index.shape[0]
+        if sources is not None and (rows < sources.shape[0] or rows % sources.shape[0]):
+            raise ValueError(f"{rows} rows do not divide among {sources.shape[0]} sources")
+        starts = self.copy_starts(cache, index, sources)
+        if sources is not None:
+            cache.group = rows // sources.shape[0]
         elif cache.group == 1:
             sources = index
         if sources is not None:
@@ -152,113 +154,119 @@ class InferenceModel:
             cache.memory_keys = keys.transpose(-1, -2) if transposed else keys
             cache.memory_values = cache.memory_values.index_select(1, sources)
             cache.src_pad = cache.src_pad.index_select(0, sources)
-        rows = index.shape[0]
+        fed = cache.fed[:filled, : cache.rows].index_select(1, index)
         if rows > cache.key_buffer.shape[2]:  # past the capacity: larger buffers, positions >= filled unwritten
             for name in ("key_buffer", "value_buffer"):
                 old = getattr(cache, name)
                 new = old.new_empty(old.shape[0], old.shape[1], rows, *old.shape[3:])
                 new[:, :filled] = old[:, :filled, : cache.rows].index_select(2, index)
                 setattr(cache, name, new)
+            cache.fed = cache.fed.new_empty((cache.max_len, rows))
         else:
-            if copy_from is None:
-                copy_from = torch.where(index.eq(torch.arange(rows, device=index.device)), filled, 0)
-            _copy_cache_rows(cache, index, copy_from, filled, copied)
+            _copy_cache_rows(cache, index, starts, filled, copied)
+        cache.fed[:filled, :rows] = fed
         cache.rows = rows
         return cache
 
+    def copy_starts(self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None) -> Tensor:
+        """(new rows,) the first position that ``reorder_cache(cache, index, sources)`` copies into row i
+        from old row index[i]; the positions before it need no copy, because old row i belongs to the
+        same source and was fed the same tokens there (beam search: hypotheses of one sentence that
+        share their first tokens share the keys and values of those positions). A row that stays copies
+        nothing; a row past the old rows, or of another source, copies all."""
+        filled, old_rows, rows = cache.filled, cache.rows, index.shape[0]
+        if filled == 0:
+            return torch.zeros_like(index)
+        both = min(rows, old_rows)
+        differs = cache.fed[:filled, :both].ne(cache.fed[:filled, :old_rows].index_select(1, index[:both]))
+        first = torch.where(differs.any(dim=0), differs.int().argmax(dim=0), filled)  # (both,)
+        row = torch.arange(both, device=index.device)
+        if sources is not None:  # new row i belongs to old source sources[i // group]
+            same_source = sources[row // (rows // sources.shape[0])].eq(row // cache.group)
+        elif cache.group == 1:  # the sources follow their rows
+            same_source = index[:both].eq(row)
+        else:
+            same_source = torch.ones_like(row, dtype=torch.bool)
+        first = torch.where(same_source, first, 0)
+        return torch.cat([first, first.new_zeros(rows - both)])
 
-def _encoder_layer(layer: EncoderLayer, x: Tensor, src_mask: Tensor, linears: StepLinears) -> Tensor:
-    """``EncoderLayer.forward`` in eval mode (no dropout) with the packed maps, in the same order; the
-    feed-forward's residual sum is fused into its second map."""
-    attention = layer.self_attention
-    queries, keys, values = attention.split_self_projections(linears.self_qkv(x))
-    heads = F.scaled_dot_product_attention(queries, keys, values, attn_mask=src_mask)
-    x = layer.self_attention_norm(x + linears.self_output(attention.merge_heads(heads)))
-    return layer.feed_forward_norm(linears.feed_forward_outer(linears.feed_forward_inner(x), x))
+    def copy_lengths(self, cache: DecoderCache, index: Tensor, sources: Tensor | None = None) -> Tensor:
+        """(new rows,) how many positions ``reorder_cache(cache, index, sources)`` copies into each new row:
+        a caller that must not read the device adds up those of the rows it keeps and passes it as `copied`."""
+        return (cache.filled - self.copy_starts(cache, index, sources)).clamp(min=0)
 
 
-def _decoder_layer_step(
-    layer: DecoderLayer, x: Tensor, index: int, position: int, cache: DecoderCache, src_mask: Tensor,
-) -> Tensor:
-    """``DecoderLayer.forward`` for one target position, x: (rows, 1, d_model), attending to the cache
-    of earlier positions.
+class InferenceEncoderLayer:
+    """An encoder layer's sub-layers as inference computes them, under the names of the model's layer,
+    for the model's own ``EncoderLayer.forward``: no dropout, the linear maps packed."""
+
+    def __init__(self, layer: EncoderLayer | DecoderLayer, linears: StepLinears) -> None:
+        self.layer, self.linears = layer, linears
+        self.self_attention_norm = layer.self_attention_norm
+        self.feed_forward_norm = layer.feed_forward_norm
+        self.dropout = _no_dropout
+
+    def self_attention(self, x: Tensor, source: Tensor, key_mask: Tensor | None = None,
+                       causal: bool = False) -> Tensor:
+        """``MultiHeadAttention.forward`` for self-attention, Q, K and V in one packed product."""
+        attention = self.layer.self_attention
+        queries, keys, values = attention.split_self_projections(self.linears.self_qkv(x))
+        heads = scaled_dot_product_attention(queries, keys, values, key_mask, causal)
+        return self.linears.self_output(attention.merge_heads(heads))
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """Eq. 2, the ReLU fused into the first product."""
+        return self.linears.feed_forward_outer(self.linears.feed_forward_inner(x))
+
+
+class CachedDecoderLayer(InferenceEncoderLayer):
+    """A decoder layer's sub-layers for one position, x: (rows, 1, d_model), attending to the cache of
+    earlier positions, for the model's own ``DecoderLayer.forward``.
 
     rows = sources * cache.group: the `group` rows of one source (the beams of a sentence) share
     that source's encoder-decoder keys and values, so their queries attend to them together.
-    No dropout, and each residual sum is fused into the linear map before it.
     """
-    attention = layer.self_attention
-    linears = cache.linears[index]
-    queries, key, value = attention.split_self_projections(linears.self_qkv(x))
-    # The cache keeps the dtype init_cache gave it (bf16 under autocast).
-    cache.key_buffer[index, position, : cache.rows] = key[:, :, 0]  # (rows, heads, d_head)
-    cache.value_buffer[index, position, : cache.rows] = value[:, :, 0]
-    keys, values = cache.layer_keys_values(index, position + 1)  # (rows, heads, position + 1, d)
-    # One query over the positions so far: no causal mask is needed.
-    x = layer.self_attention_norm(
-        _attend(attention, queries.to(keys.dtype), keys, values, None, linears.self_output, x))
 
-    attention = layer.cross_attention
-    memory_keys, memory_values = cache.memory_keys[index], cache.memory_values[index]
-    # (rows, 1, d) -> (sources, group, d): a source's rows are its queries, so the encoder-decoder
-    # keys and values are read once per source, not copied to every beam.
-    grouped = x.view(memory_keys.shape[0], cache.group, -1)
-    queries = attention.split_heads(linears.cross_query(grouped), attention.head_dim)
-    x = layer.cross_attention_norm(_attend(
-        attention, queries.to(memory_keys.dtype), memory_keys, memory_values, src_mask, linears.cross_output, grouped,
-    ).view_as(x))
-    return layer.feed_forward_norm(linears.feed_forward_outer(linears.feed_forward_inner(x), x))
+    def __init__(self, layer: DecoderLayer, cache: DecoderCache, index: int, position: int) -> None:
+        super().__init__(layer, cache.linears[index])
+        self.cross_attention_norm = layer.cross_attention_norm
+        self.cache, self.index, self.position = cache, index, position
+
+    def self_attention(self, x: Tensor, source: Tensor, key_mask: Tensor | None = None,
+                       causal: bool = False) -> Tensor:
+        """Adds this position's key and value to the cache; its one query attends to the positions so
+        far, which is what the causal mask leaves it."""
+        attention, cache, index = self.layer.self_attention, self.cache, self.index
+        queries, key, value = attention.split_self_projections(self.linears.self_qkv(x))
+        # The cache keeps the dtype init_cache gave it (bf16 under autocast).
+        cache.key_buffer[index, self.position, : cache.rows] = key[:, :, 0]  # (rows, heads, d_head)
+        cache.value_buffer[index, self.position, : cache.rows] = value[:, :, 0]
+        keys, values = cache.layer_keys_values(index, self.position + 1)  # (rows, heads, position + 1, d)
+        heads = _step_attention(queries.to(keys.dtype), keys, values, None)
+        return self.linears.self_output(attention.merge_heads(heads))
+
+    def cross_attention(self, x: Tensor, memory: Tensor | None, key_mask: Tensor) -> Tensor:
+        """Attends to the encoder-decoder keys and values computed once by init_cache (`memory` unused)."""
+        attention, cache = self.layer.cross_attention, self.cache
+        memory_keys, memory_values = cache.memory_keys[self.index], cache.memory_values[self.index]
+        # (rows, 1, d) -> (sources, group, d): a source's rows are its queries, so the encoder-decoder
+        # keys and values are read once per source, not copied to every beam.
+        grouped = x.view(memory_keys.shape[0], cache.group, -1)
+        queries = attention.split_heads(self.linears.cross_query(grouped), attention.head_dim)
+        heads = _step_attention(queries.to(memory_keys.dtype), memory_keys, memory_values, key_mask)
+        return self.linears.cross_output(attention.merge_heads(heads)).view_as(x)
 
 
-def _attend(
-    attention: MultiHeadAttention, queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None,
-    output: Callable[..., Tensor], residual: Tensor,
-) -> Tensor:
-    """Eq. 1 for the decoder step, then W^O with the residual sum fused: output(Concat(heads), residual)."""
+def _no_dropout(x: Tensor) -> Tensor:
+    return x
+
+
+def _step_attention(queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None) -> Tensor:
+    """Eq. 1 for the decoder step: two matrix multiplies on the CPU (faster there for a few queries),
+    the model's SDPA elsewhere."""
     if queries.device.type == "cpu":
-        heads = _few_query_attention(queries, keys, values, key_mask)
-    else:
-        heads = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask)
-    return output(attention.merge_heads(heads), residual)
-
-
-def _few_query_attention(queries: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None) -> Tensor:
-    """Eq. 1 as two matrix multiplies and a softmax, for the cached decoder step on the CPU (no causal mask).
-
-    With one to a few queries a row, SDPA's CPU kernel (flash attention, blocked for long queries) is
-    slower than this, and slower with 2 threads than with 1 (BENCHMARKS.md). Training and CUDA keep SDPA.
-
-    A floating key_mask is an additive bias (0 or -inf, `key_padding_bias`): the scale and the mask then
-    go into the query-key product itself (baddbmm), with no pass over the scores. The cached step
-    uses it for the encoder-decoder attention, whose keys init_cache stores transposed, so the
-    product reads them in place.
-    """
-    if key_mask is not None and key_mask.is_floating_point():
-        batch, heads, length, dim = queries.shape
-        keys_length = keys.shape[-2]
-        scores = torch.baddbmm(
-            key_mask.expand(batch, heads, length, keys_length).reshape(-1, length, keys_length),
-            queries.reshape(-1, length, dim), keys.transpose(-1, -2).reshape(-1, dim, keys_length), alpha=dim**-0.5,
-        )
-        attended = torch.bmm(scores.softmax(dim=-1), values.reshape(-1, keys_length, values.shape[-1]))
-        return attended.view(batch, heads, length, -1)
-    if queries.shape[-2] == 1 and keys.shape[-2] * keys.shape[-1] < 400:
-        # One query over a few keys (a decoder's first positions): torch multiplies matrices this small
-        # with a plain loop, and products and sums are faster.
-        scores = (keys * queries).sum(dim=-1, keepdim=True).mul_(queries.shape[-1] ** -0.5)  # (..., keys, 1)
-        if key_mask is not None:
-            scores.masked_fill_(~key_mask.transpose(-1, -2), -math.inf)
-        return (scores.softmax(dim=-2) * values).sum(dim=-2, keepdim=True)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.shape[-1] ** -0.5)
-    if key_mask is not None:
-        scores.masked_fill_(~key_mask, -math.inf)
-    return torch.matmul(scores.softmax(dim=-1), values)
-
-
-def key_padding_bias(src_pad: Tensor, dtype: torch.dtype) -> Tensor:
-    """(batch, src_len) True at pad -> (batch, 1, 1, src_len): -inf at pad, 0 elsewhere, to add to the scores."""
-    return torch.zeros(src_pad.shape, dtype=dtype, device=src_pad.device).masked_fill_(src_pad, -math.inf)[
-        :, None, None, :]
+        return matmul_attention(queries, keys, values, key_mask)
+    return scaled_dot_product_attention(queries, keys, values, key_mask)
 
 
 @dataclass
@@ -278,6 +286,9 @@ class DecoderCache:
     # (one row per sentence into beams) moves rows without allocating.
     key_buffer: Tensor
     value_buffer: Tensor
+    # (max_len, capacity) the token fed at each position of each row: rows of one source fed the same
+    # tokens up to a position hold the same keys and values there (``InferenceModel.copy_starts``).
+    fed: Tensor
     rows: int  # decoder rows in use
     src_pad: Tensor  # (sources, src_len), True at pad
     # Per decoder layer, its linear maps prepared once for the step (Q, K and V in one matrix multiply).
@@ -285,6 +296,7 @@ class DecoderCache:
     # The pre-softmax layer (the shared embedding, transposed) prepared the same way.
     project: Callable[[Tensor], Tensor]
     group: int = 1  # decoder rows per source
+    filled: int = 0  # the positions fed so far
 
     def layer_keys_values(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
         """A layer's self-attention keys and values at positions 0 .. length - 1, as views of shape

@@ -15,7 +15,7 @@ from aiayn.config import section_defaults
 # round's page faults. glibc's aligned allocations take a few rounds to settle into freed blocks.
 REUSE = """
 import resource, sys, torch
-from aiayn.host_memory import keep_freed_memory
+from aiayn.speed.host_memory import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 counts = []

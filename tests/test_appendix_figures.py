@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import make_pairs
 
-from aiayn.attention import (ANAPHORA, LONG_DISTANCE, anaphora_heads, appendix_figures, encode_sentence,
-                             encoder_self_attention, paper_layer)
+from aiayn.appendix_figures import (ANAPHORA, LONG_DISTANCE, anaphora_heads, appendix_figures, encode_sentence,
+                                    encoder_self_attention, paper_layer)
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
 

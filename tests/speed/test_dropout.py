@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from aiayn.dropout import MaskDropout, cpu_dropout
+from aiayn.speed.dropout import MaskDropout, cpu_dropout
 from aiayn.model import ModelConfig, Transformer
 
 
@@ -54,7 +54,7 @@ def test_evaluation_and_p_0_change_nothing():
 
 
 def test_draws_are_uniform_over_all_16_bit_values():
-    from aiayn.dropout import _draws
+    from aiayn.speed.dropout import _draws
 
     torch.manual_seed(0)
     draws = _draws(torch.Size([1 << 22]), torch.device("cpu")).long()

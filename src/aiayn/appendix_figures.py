@@ -1,10 +1,11 @@
 """Encoder self-attention weights for the paper's appendix pictures; for visualisation only.
 
-The model attends through ``scaled_dot_product_attention``, which fuses the softmax and never
-hands out the weights. To draw them, this module recomputes softmax(Q K^T / sqrt(d_k)) (Eq. 1)
-for one encoder layer from that layer's own modules: a forward pre-hook captures the layer's
-input and padding mask during an ordinary ``encode``, then the attention module's ``queries`` and
-``keys_values`` project it exactly as its forward pass does. Training and decoding never call this.
+The model attends through torch's ``scaled_dot_product_attention``, which fuses the softmax and never
+hands out the weights. To draw them, this module recomputes softmax(Q K^T / sqrt(d_k)) (the model's
+Eq. 1, with V the identity) for one encoder layer from that layer's own modules: a forward pre-hook
+captures the layer's input and padding mask during an ordinary ``encode``, then the attention
+module's ``queries`` and ``keys_values`` project it exactly as its forward pass does. Training and
+decoding never call this.
 
 The pictures (docs/PAPER.md, "Attention pictures"): every head of encoder layer 5 of 6 on the
 long-distance sentence, and the two heads of that layer that attend most from "its" to "Law" and
@@ -14,7 +15,6 @@ and the title says so.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from torch import Tensor
 from aiayn.bpe import EOS_ID, UNK_ID
 from aiayn.checkpoint import load_model
 from aiayn.errors import UserError
+from aiayn.model import scaled_dot_product_attention
 
 LONG_DISTANCE = ("It is in this spirit that a majority of American governments have passed new laws since 2009 "
                  "making the registration or voting process more difficult.")
@@ -40,14 +41,14 @@ def attention_weights(attention: torch.nn.Module, x: Tensor, key_mask: Tensor | 
     """Eq. 1's softmax(Q K^T / sqrt(d_k)) of a ``MultiHeadAttention`` attending from x to itself.
 
     x: (batch, len, d_model); key_mask: (batch, 1, 1, len), True where a key may be attended to
-    (``model.key_padding_mask``). Returns (batch, heads, len, len); padded keys get weight 0.
+    (``model.key_padding_mask``). Returns (batch, heads, len, len); padded keys get weight 0. The
+    model's own Eq. 1 with the identity for V: each query's output is then its row of weights.
     """
     queries = attention.queries(x)  # (batch, heads, len, d_head)
     keys, _ = attention.keys_values(x)  # (batch, heads, len, d_head)
-    scores = queries @ keys.transpose(-2, -1) / math.sqrt(attention.head_dim)  # (batch, heads, len, len)
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask, float("-inf"))
-    return scores.softmax(dim=-1)
+    length = keys.shape[-2]
+    identity = torch.eye(length, dtype=keys.dtype, device=keys.device).expand(*keys.shape[:-2], length, length)
+    return scaled_dot_product_attention(queries, keys, identity, key_mask)  # (batch, heads, len, len)
 
 
 def encoder_self_attention(model: torch.nn.Module, src: Tensor, layer: int) -> Tensor:

@@ -1,14 +1,13 @@
-"""Incremental decoding (src/aiayn/incremental.py) equals the model's own forward pass (src/aiayn/model.py)."""
+"""Incremental decoding (src/aiayn/speed/incremental.py) equals the model's own forward pass (src/aiayn/model.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from aiayn.incremental import InferenceModel, ScratchBuffers, _few_query_attention, key_padding_bias
 from aiayn.model import Transformer
-from aiayn.packed import _onednn_linear_available
+from aiayn.speed.incremental import InferenceModel, ScratchBuffers
+from aiayn.speed.packed import _onednn_linear_available
 from test_model import PAD, VOCAB, tiny_config, tiny_model, tokens  # the same tiny float64 models
 
 
@@ -76,14 +75,14 @@ def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batc
             inference.decode_step(tgt[:, position], position, cache)
         # Beams move within their sentence: row 0 takes row 1's history, rows 2 and 3 swap.
         index = torch.tensor([1, 1, 3, 2])
-        cache = inference.reorder_cache(cache, index, filled=3)
+        cache = inference.reorder_cache(cache, index)
         full = model(src[rows], tgt[index])
         for position in range(3, 5):
             step = inference.decode_step(tgt[index, position], position, cache)
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
         # The first sentence leaves: its memory goes with it, the second keeps its two beams.
         buffer = cache.key_buffer.data_ptr()
-        cache = inference.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]), filled=5)
+        cache = inference.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]))
         assert cache.memory_keys.shape[1] == 1 and cache.rows == 2
         assert cache.key_buffer.data_ptr() == buffer  # shrunk in place
         full = model(src[[1, 1]], tgt[index][[2, 3]])
@@ -102,37 +101,54 @@ def test_reorder_cache_regroups_one_row_per_source_into_beams():
         cache = inference.init_cache(*inference.encode(src), max_len=6, capacity=4)  # one row per source
         buffer = cache.key_buffer.data_ptr()
         inference.decode_step(tgt[[0, 2], 0], 0, cache)
-        cache = inference.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), filled=1, group=2)
+        cache = inference.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), sources=torch.tensor([0, 1]))
         assert cache.group == 2 and cache.rows == 4 and cache.memory_keys.shape[1] == 2
         assert cache.key_buffer.data_ptr() == buffer  # grown within its capacity, in place
         full = model(src[[0, 0, 1, 1]], tgt)
         for position in range(1, 6):
             step = inference.decode_step(tgt[:, position], position, cache)
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
-        with pytest.raises(ValueError, match="3 rows for 2 sources of 2 rows each"):
+        with pytest.raises(ValueError, match="3 rows do not divide among 2 sources"):
             fresh = inference.init_cache(*inference.encode(src), max_len=6)
-            inference.reorder_cache(fresh, torch.tensor([0, 0, 1]), group=2)
+            inference.reorder_cache(fresh, torch.tensor([0, 0, 1]), sources=torch.tensor([0, 1]))
 
 
-@pytest.mark.parametrize("copy_from, starts", [(None, [4, 0, 0]), ([4, 2, 0], [4, 2, 0])])
-def test_reorder_cache_copies_moved_rows_from_copy_from_up_to_filled(copy_from, starts):
-    # By default a row that stays copies nothing and a row that moves copies all of its filled positions.
+def test_reorder_cache_copies_a_moved_row_from_where_its_fed_tokens_differ_up_to_the_positions_fed():
     model = tiny_model()
     inference = InferenceModel(model)
-    index, filled = torch.tensor([0, 0, 1]), 4
+    index = torch.tensor([0, 0, 1])
     with torch.no_grad():
         cache = inference.init_cache(*inference.encode(tokens(1, 4, seed=1)), max_len=6, group=3)
         for buffer in (cache.self_keys, cache.self_values):  # every value its own number, to trace moves
             buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype).view_as(buffer))
+        # Four positions fed: row 1 shares row 0's first two tokens, row 2 only its first.
+        cache.fed[:4, :3] = torch.tensor([[1, 5, 6, 7], [1, 5, 8, 9], [1, 4, 4, 4]]).T
+        cache.filled = filled = 4
         before = (cache.self_keys.clone(), cache.self_values.clone())
-        starts_given = None if copy_from is None else torch.tensor(copy_from)
-        inference.reorder_cache(cache, index, filled=filled, copy_from=starts_given)
+        starts = [4, 2, 1]  # row 0 stays; row 1 takes row 0's history, row 2 row 1's
+        assert inference.copy_starts(cache, index).tolist() == starts
+        assert inference.copy_lengths(cache, index).tolist() == [0, 2, 3]
+        inference.reorder_cache(cache, index)
+    assert cache.fed[:4, :3].T.tolist() == [[1, 5, 6, 7], [1, 5, 6, 7], [1, 5, 8, 9]]
     for after, old in zip((cache.self_keys, cache.self_values), before):
         for row, (origin, start) in enumerate(zip(index.tolist(), starts)):
-            assert torch.equal(after[:, row, :, :start], old[:, row, :, :start])  # below copy_from: as it was
+            assert torch.equal(after[:, row, :, :start], old[:, row, :, :start])  # below the start: as it was
             # Row 2 reads row 1's old values although row 1 is rewritten.
             assert torch.equal(after[:, row, :, start:filled], old[:, origin, :, start:filled])
-            assert torch.equal(after[:, row, :, filled:], old[:, row, :, filled:])  # unwritten positions untouched
+            assert torch.equal(after[:, row, :, filled:], old[:, row, :, filled:])  # unfed positions untouched
+
+
+def test_copy_starts_copy_all_of_a_row_that_takes_another_source_s_row():
+    inference = InferenceModel(tiny_model())
+    with torch.no_grad():
+        cache = inference.init_cache(*inference.encode(tokens(2, 4, seed=1)), max_len=6, group=2)
+        fed = torch.tensor([[1, 5, 6], [1, 5, 8], [1, 5, 6], [1, 4, 4]])  # sources 0 and 1, two rows each
+        cache.fed[:3, :4], cache.filled = fed.T, 3
+        # Rows move within their source: row 0 takes row 1 (shares BOS and 5), rows 2 and 3 swap.
+        assert inference.copy_starts(cache, torch.tensor([1, 1, 3, 2])).tolist() == [2, 3, 1, 1]
+        # The first source ends and the second moves into its rows: nothing of theirs is shared,
+        # although row 2 was fed the same tokens as row 0.
+        assert inference.copy_starts(cache, torch.tensor([2, 3]), sources=torch.tensor([1])).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("positional", ["learned", "none"])
@@ -179,25 +195,6 @@ def test_encoder_in_training_mode_keeps_its_dropout_without_gradients():
 
 
 # The CPU's attention for a few queries, and the caches' memory.
-
-
-@pytest.mark.parametrize("queries", [1, 4])
-@pytest.mark.parametrize("keys", [9, 60])  # 1 query over 9 keys of size 8 takes the products-and-sums path
-def test_few_query_attention_equals_sdpa_with_and_without_a_key_mask(queries, keys):
-    generator = torch.Generator().manual_seed(queries)
-    q, k, v = (torch.randn(3, 2, length, 8, generator=generator) for length in (queries, keys, keys))
-    src_pad = torch.zeros(3, keys, dtype=torch.bool)
-    src_pad[0, 5:] = True
-    src_pad[2, 1:] = True  # one key left
-    mask = ~src_pad[:, None, None, :]
-    for key_mask in (None, mask):
-        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        torch.testing.assert_close(_few_query_attention(q, k, v, key_mask), expected, rtol=1e-5, atol=1e-6)
-    # The mask as an additive bias, with keys contiguous or stored transposed (as init_cache does on the CPU).
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    for keys in (k, k.transpose(-1, -2).contiguous().transpose(-1, -2)):
-        result = _few_query_attention(q, keys, v, key_padding_bias(src_pad, torch.float32))
-        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_scratch_buffers_reuse_their_memory_until_a_tensor_does_not_fit():
