@@ -40,7 +40,7 @@ from aiayn.checkpoint import load_model  # noqa: E402
 from aiayn.decode import hypothesis_text, translate  # noqa: E402
 from aiayn.export import export_ctranslate2  # noqa: E402
 from aiayn.fileio import read_lines  # noqa: E402
-from aiayn.incremental import InferenceModel  # noqa: E402
+from aiayn.speed.incremental import InferenceModel  # noqa: E402
 from aiayn.search import SearchConfig  # noqa: E402
 
 

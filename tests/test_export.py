@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, load_processor
 from aiayn.errors import UserError
 from aiayn.export import export_ctranslate2, export_huggingface, main, marian_permutation
-from aiayn.incremental import InferenceModel
+from aiayn.speed.incremental import InferenceModel
 from aiayn.model import ModelConfig, Transformer, sinusoid_table
 from aiayn.search import SearchConfig, beam_search, greedy_search
 from test_decode import save_model_file

@@ -8,7 +8,7 @@ of a preset are summarised as mean and standard deviation.
 
 Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
 paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
-(aiayn.attention). Tables and pictures are logged as artifacts of the base model's MLflow run.
+(aiayn.appendix_figures). Tables and pictures are logged as artifacts of the base model's MLflow run.
 """
 
 from __future__ import annotations

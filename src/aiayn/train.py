@@ -187,7 +187,7 @@ def autocast_context(device: torch.device, precision: str):
     """bf16 autocast where ``resolved_precision`` says bf16. On the CPU also SDPA's math kernel: torch's
     CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above all),
     which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The trainer's
-    own model attends in bf16 there without SDPA (aiayn.cpu_attention); this serves any other model
+    own model attends in bf16 there without SDPA (aiayn.speed.cpu_attention); this serves any other model
     (bench/train_cpu.py's peer)."""
     if resolved_precision(precision, device) != "bf16":
         yield
@@ -199,7 +199,7 @@ def autocast_context(device: torch.device, precision: str):
 
 def model_for_training(config: ModelConfig, device: torch.device) -> Transformer:
     """The model as training runs it on ``device``: on the CPU with its dropout masks cheaper to draw
-    (aiayn.dropout) and its attention in bf16 under bf16 autocast (aiayn.cpu_attention), the paper's
+    (aiayn.speed.dropout) and its attention in bf16 under bf16 autocast (aiayn.speed.cpu_attention), the paper's
     modules otherwise."""
     model = Transformer(config).to(device)
     cpu_dropout(model, device)
