@@ -298,10 +298,13 @@ def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     assert params.returncode == 2 and f"error: {expected}" in params.stderr
 
 
-def test_a_missing_configfile_is_named_with_exit_status_2(tmp_path):
+def test_a_missing_configfile_or_a_folder_is_named_with_exit_status_2(tmp_path):
     result = run_snakemake(tmp_path, "-n", "--configfile", "mine.yaml")
     assert result.returncode == 2
     assert "error: mine.yaml: config file not found" in result.stderr
+    result = run_snakemake(tmp_path, "-n", "--configfile", "config", copy=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: config: a folder, not a config file" in result.stderr
 
 
 def test_a_head_count_error_names_the_users_file_not_the_demos(tmp_path):

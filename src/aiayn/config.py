@@ -1,10 +1,10 @@
 """Config files: merge, validate against the schema (Snakemake's ``validate``), resolve presets.
 
-Config flows one way: YAML files (the embedded default, then ``--configfile``s, then
-``--config`` overrides) are merged key by key as Snakemake does, checked against
-``workflow/schemas/config.schema.yaml`` with a message that names the file and the key,
-filled with the schema's defaults, and then each model preset is resolved through its
-``inherit`` chain into one flat dict that the stages receive as JSON.
+Config flows one way: YAML files (the ``--configfile``s, or the demo's config/config.yaml when
+none is given, then ``--config`` overrides) are merged key by key as Snakemake does, checked
+against ``workflow/schemas/config.schema.yaml`` with a message that names the file and the key,
+filled with the schema's defaults (the only layer under a user's files), and then each model preset
+is resolved through its ``inherit`` chain into one flat dict that the stages receive as JSON.
 """
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: config file not found")
+    if path.is_dir():
+        raise UserError(f"{path}: a folder, not a config file (a YAML file of keys and values)")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
         raise UserError(yaml_error_message(path, error)) from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text (a config file is YAML: keys and values)") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the config file ({error.strerror})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
