@@ -1,14 +1,19 @@
 # aiayn: "Attention Is All You Need", reproduced as one DAG:
 # download -> bpe -> binarize -> train -> average -> decode -> score -> report
 #
-#   snakemake --cores all                                     # the embedded demo
+#   snakemake --cores all                                     # the demo (config/config.yaml)
 #   snakemake --cores all --configfile config/wmt14_en_de.yaml  # the paper
 from snakemake.utils import min_version
 
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The demo is one config among the others, used when no --configfile is given: under a user's config
+# lies only the schema with its defaults (common.smk), never the demo's values.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
 
 
 include: "workflow/rules/common.smk"

@@ -137,8 +137,9 @@ def runs(cluster, tmp_path_factory):
     started = time.monotonic()
     # the same cores for both: the BPE job takes them all as its threads
     local = start_snakemake(local_dir, "--profile", "workflow/profiles/local", "--cores", str(cluster.cpus),
-                            "--configfile", "override.yaml")
-    slurm = start_snakemake(slurm_dir, "--profile", str(profile), "--configfile", "override.yaml", *GROUPS)
+                            "--configfile", "config/config.yaml", "override.yaml")
+    slurm = start_snakemake(slurm_dir, "--profile", str(profile), "--configfile", "config/config.yaml", "override.yaml",
+                            *GROUPS)
     try:
         preempted = preempt_training(slurm_dir, slurm)
         slurm.wait(timeout=900)  # bounds for a loaded machine, not expectations
@@ -279,7 +280,8 @@ def test_a_user_error_in_a_slurm_job_is_shown_once_and_not_retried(cluster, tmp_
     (workdir / "raw" / "texts").mkdir()
     local["train"]["src"] = str(workdir / "raw" / "texts")
     (workdir / "broken.yaml").write_text(json.dumps({"data": {"source": "local", "local": local}}))
-    result = subprocess.run(snakemake_command("--profile", str(profile), "--configfile", "override.yaml", "broken.yaml",
+    result = subprocess.run(snakemake_command("--profile", str(profile),
+                                              "--configfile", "config/config.yaml", "override.yaml", "broken.yaml",
                                               "--retries", "1"),
                             cwd=workdir, env=environment(), capture_output=True, text=True, timeout=600)
     terminal = result.stdout + result.stderr

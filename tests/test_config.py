@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from aiayn.config import load_config, resolve_preset
+from aiayn.config import SCHEMA_PATH, load_config, merge, resolve_preset, schema_default, to_json
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig
 from aiayn.params import count_parameters
@@ -37,7 +38,7 @@ def test_the_demo_config_validates_and_gets_defaults():
 
 
 def test_the_paper_config_has_base_big_and_all_18_table3_rows():
-    config = load_config([DEFAULT, PAPER])
+    config = load_config([PAPER])
     assert config["models"] == ["base", "big"] + TABLE3_ROWS
     assert config["bpe"]["vocab_size"] == 37000
     base, big = resolve_preset(config, "base"), resolve_preset(config, "big")
@@ -49,7 +50,7 @@ def test_the_paper_config_has_base_big_and_all_18_table3_rows():
 
 
 def test_table3_rows_change_only_what_the_paper_changes():
-    config = load_config([DEFAULT, PAPER])
+    config = load_config([PAPER])
     base = resolve_preset(config, "base")
     expected = {"A_heads_1": {"n_heads": 1, "d_head": 512}, "B_dk_16": {"d_head": 16, "d_value": 64},
                 "C_dmodel_256": {"d_model": 256, "d_head": 32}, "D_smoothing_0.2": {"label_smoothing": 0.2},
@@ -62,22 +63,13 @@ def test_table3_rows_change_only_what_the_paper_changes():
 
 
 def test_every_paper_preset_builds_a_model_config():
-    config = load_config([DEFAULT, PAPER])
+    config = load_config([PAPER])
     for name in config["models"]:
         preset = resolve_preset(config, name)
         model = ModelConfig(vocab_size=37000, **{k: preset[k] for k in ("n_layers", "d_model", "d_ff", "n_heads",
                                                                       "d_head", "d_value", "dropout", "positional",
                                                                       "max_positions")})
         assert count_parameters(model) > 1e7
-
-
-def test_the_paper_run_does_not_inherit_the_demo_settings():
-    merged = load_config([DEFAULT, PAPER])
-    alone = load_config([PAPER])
-    for section in ("experiment", "data", "bpe", "binarize", "train", "decode", "models", "seeds"):
-        if section == "data":
-            merged[section].pop("demo"), alone[section].pop("demo")
-        assert merged[section] == alone[section], section
 
 
 def test_an_unknown_key_names_the_file_and_the_allowed_keys(tmp_path):
@@ -109,10 +101,16 @@ def test_heads_that_do_not_divide_d_model_say_how_to_fix_it(tmp_path):
         load_config([DEFAULT, bad])
 
 
-def run_snakemake(tmp_path, *args):
-    for name in ("Snakefile", "workflow", "config"):
+def copy_workflow(folder):
+    """The workflow's own files in a folder of its own (results and .snakemake stay there)."""
+    for name in ("Snakefile", "workflow", "config", "profiles"):
         source = REPO / name
-        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, folder / name)
+
+
+def run_snakemake(tmp_path, *args, copy=True):
+    if copy:
+        copy_workflow(tmp_path)
     return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
 
@@ -132,13 +130,13 @@ def test_paper_dry_run_lists_every_stage_for_every_preset(tmp_path):
 
 def test_a_broken_config_stops_snakemake_before_any_job(tmp_path):
     (tmp_path / "bad.yaml").write_text("train:\n  precision: fp8\n")
-    result = run_snakemake(tmp_path, "-n", "--configfile", "bad.yaml")
-    assert result.returncode != 0
+    result = run_snakemake(tmp_path, "-n", "--configfile", "config/config.yaml", "bad.yaml")
+    assert result.returncode == 2
     assert "error: bad.yaml: train.precision = 'fp8' is not allowed (allowed values: auto, fp32, bf16)" in result.stderr
 
 
 def test_the_en_fr_config_is_table2s_other_column():
-    config = load_config([DEFAULT, REPO / "config" / "wmt14_en_fr.yaml"])
+    config = load_config([REPO / "config" / "wmt14_en_fr.yaml"])
     assert config["models"] == ["base", "big"] and config["bpe"]["vocab_size"] == 32000
     assert (config["data"]["hub"]["name"], config["data"]["tgt_lang"]) == ("fr-en", "fr")
     big = resolve_preset(config, "big")
@@ -192,3 +190,149 @@ def test_the_model_configs_defaults_are_the_papers_base_model():
     base = resolve_preset(config, "base")
     defaults = {field.name: field.default for field in dataclasses.fields(ModelConfig) if field.name != "vocab_size"}
     assert {key: base[key] for key in defaults if key in base} == {key: defaults[key] for key in defaults if key in base}
+
+
+# --- the layers under a user's config: the schema's defaults, never the demo's values ---------------
+
+MINIMAL_PRESET = {"n_layers": 1, "d_model": 32, "d_ff": 64, "n_heads": 4, "d_head": None, "d_value": None,
+                  "dropout": 0.1, "label_smoothing": 0.1, "positional": "sinusoidal", "max_positions": 64,
+                  "steps": 4, "warmup_steps": 2, "lr_scale": 1.0, "average_last": 2, "keep_checkpoints": 2,
+                  "checkpoint_minutes": None, "checkpoint_steps": 2, "gpus": 0, "runtime_minutes": 5}
+
+
+def minimal_config(folder):
+    """A user's config from scratch: local data, one preset, nothing else."""
+    from conftest import write_text_corpus
+
+    config = {"data": {"source": "local", "local": write_text_corpus(folder / "corpus")},
+              "models": ["mine"], "presets": {"mine": MINIMAL_PRESET}}
+    path = folder / "minimal.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, config
+
+
+def schema_leaves(node, prefix=""):
+    """(dotted key, default) for every key of the schema that has a default and no keys of its own."""
+    for key, child in node.get("properties", {}).items():
+        if "properties" in child:
+            yield from schema_leaves(child, f"{prefix}{key}.")
+        elif "default" in child:
+            yield f"{prefix}{key}", child["default"]
+
+
+def planned_settings(output: str) -> dict:
+    """The config sections the planned jobs receive (`--<section>-json '...'` in `snakemake -n -p`)."""
+    import re
+
+    found: dict = {}
+    for section, text in re.findall(r"--([a-z]+)-json '([^']*)'", output):
+        found.setdefault(section, set()).add(text)
+    return found
+
+
+def test_a_minimal_config_takes_every_unset_key_from_the_schema_and_nothing_from_the_demo(tmp_path):
+    path, written = minimal_config(tmp_path)
+    config = load_config([path])
+    for key, default in schema_leaves(yaml.safe_load(SCHEMA_PATH.read_text())):
+        node, given = config, written
+        for part in key.split("."):
+            node, given = node[part], (given or {}).get(part) if isinstance(given, dict) else None
+        if given is None:
+            assert node == default == schema_default(key), key
+    # Through snakemake: the jobs get those values, and editing the demo's config/config.yaml changes none
+    plans = []
+    for name, demo_edit in (("as_shipped", {}), ("edited", {"experiment": "edited", "seeds": [9],
+                                                           "bpe": {"vocab_size": 1234, "seed": 5},
+                                                           "train": {"precision": "bf16", "tokens_per_step": 777},
+                                                           "decode": {"tokens_per_batch": 555, "beam_size": 2}})):
+        folder = tmp_path / name
+        folder.mkdir()
+        copy_workflow(folder)
+        demo = yaml.safe_load((folder / "config" / "config.yaml").read_text())
+        (folder / "config" / "config.yaml").write_text(yaml.safe_dump(merge(demo, demo_edit)))
+        result = run_snakemake(folder, "-n", "-p", "--configfile", str(path), copy=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        plans.append(planned_settings(result.stdout))
+    assert plans[0] == plans[1]
+    runtime_only = {"train": ("log_every", "threads"), "binarize": ("workers",), "decode": ("workers",)}
+    for section in ("data", "bpe", "binarize", "train", "decode"):
+        expected = {k: v for k, v in config[section].items() if k not in runtime_only.get(section, ())}
+        assert plans[0][section] == {to_json(expected)}, section
+    assert plans[0]["preset"] == {to_json(resolve_preset(config, "mine"))}
+
+
+def test_without_a_configfile_snakemake_runs_the_demo(tmp_path):
+    result = run_snakemake(tmp_path, "-n", "-p")
+    assert result.returncode == 0, result.stderr[-3000:]
+    demo = load_config([DEFAULT])
+    assert planned_settings(result.stdout)["bpe"] == {to_json(demo["bpe"])}
+    assert "results/demo/train/demo_heads_1/seed1/" in result.stdout
+
+
+def test_the_multi30k_recipes_resolve_to_what_their_results_were_measured_with():
+    """BENCHMARKS.md's Multi30k numbers were measured when the demo's config lay under every config:
+    the recipe now sets the two values it took from it (the rest are the schema's defaults)."""
+    recipe = load_config([REPO / "config" / "multi30k.yaml"])
+    assert (recipe["train"]["precision"], recipe["decode"]["tokens_per_batch"]) == ("fp32", 6000)
+    assert (recipe["train"]["threads"], recipe["bpe"]["seed"], recipe["data"]["max_chars"]) == (0, 1, 1000)
+    thirty = load_config([REPO / "config" / "multi30k.yaml", REPO / "config" / "multi30k_30min.yaml"])
+    assert (thirty["train"]["precision"], thirty["decode"]["tokens_per_batch"]) == ("auto", 6000)
+
+
+# --- config errors through plain snakemake: one line naming the file, exit status 2 ----------------
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiment: x\nmodels: [base\npresets: {}\n")
+    expected = f"{bad.name}, line 3, column 8: not valid YAML: expected ',' or ']', but got ':'"
+    with pytest.raises(UserError) as error:
+        load_config([bad])
+    assert expected in str(error.value)
+    for command in (["-n", "--configfile", "bad.yaml"], ["-n", "--configfiles=bad.yaml", "--cores", "1"]):
+        result = run_snakemake(tmp_path, *command, copy=command[1] == "--configfile")
+        assert result.returncode == 2, result.stderr
+        assert f"error: {expected}" in result.stderr
+        assert "Traceback" not in result.stderr and "WorkflowError" not in result.stderr
+    params = subprocess.run([sys.executable, "-m", "aiayn.cli", "params", "--config", "bad.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert params.returncode == 2 and f"error: {expected}" in params.stderr
+
+
+def test_a_missing_configfile_or_a_folder_is_named_with_exit_status_2(tmp_path):
+    result = run_snakemake(tmp_path, "-n", "--configfile", "mine.yaml")
+    assert result.returncode == 2
+    assert "error: mine.yaml: config file not found" in result.stderr
+    result = run_snakemake(tmp_path, "-n", "--configfile", "config", copy=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: config: a folder, not a config file" in result.stderr
+
+
+def test_a_head_count_error_names_the_users_file_not_the_demos(tmp_path):
+    (tmp_path / "wider.yaml").write_text("presets:\n  demo_base:\n    d_model: 102\n")
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({
+        "models": ["mine", "narrow"], "presets": {"mine": MINIMAL_PRESET,
+                                                 "narrow": {"inherit": "mine", "d_model": 30}}}))
+    result = run_snakemake(tmp_path, "-n", "--configfile", "config/config.yaml", "wider.yaml")
+    assert result.returncode == 2
+    assert "error: wider.yaml: presets.demo_base.n_heads = 4 does not divide d_model = 102" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_snakemake(tmp_path, "-n", "--configfile", "mine.yaml", copy=False)
+    assert result.returncode == 2
+    assert "error: mine.yaml: presets.narrow.n_heads = 4 does not divide d_model = 30" in result.stderr
+
+
+def test_code_defaults_come_from_the_schema(tmp_path):
+    from conftest import write_text_corpus
+
+    from aiayn.bpe import learn_bpe
+    from aiayn.search import greedy_search
+
+    train = subprocess.run([sys.executable, "-m", "aiayn.train", "--help"], capture_output=True, text=True, timeout=120)
+    assert f"(default: {schema_default('experiment')}, the schema's)" in " ".join(train.stdout.split())
+    local = write_text_corpus(tmp_path / "corpus")
+    info = learn_bpe([local["train"]["src"], local["train"]["tgt"]], tmp_path / "bpe", vocab_size=60, threads=1)
+    assert {key: info[key] for key in ("input_sentence_size", "character_coverage", "seed")} == {
+        key: schema_default(f"bpe.{key}") for key in ("input_sentence_size", "character_coverage", "seed")}
+    greedy = inspect.signature(greedy_search).parameters
+    assert (greedy["max_len_a"].default, greedy["max_len_b"].default, greedy["length_penalty_alpha"].default) == (
+        schema_default("decode.max_len_a"), schema_default("decode.max_len_b"), schema_default("decode.length_penalty"))

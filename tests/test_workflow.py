@@ -29,7 +29,8 @@ presets:
 
 
 def snakemake_command(*args):
-    return [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "override.yaml", *args]
+    return [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "config/config.yaml", "override.yaml",
+            *args]
 
 
 def snakemake_environment():
@@ -261,7 +262,7 @@ def test_a_failing_jobs_error_message_is_printed_in_the_terminal(tmp_path):
     """A plain `snakemake --cores N` (what `make demo` runs): the job's own message, not only "check the log"."""
     workdir = copy_workflow(tmp_path)
     message = broken_local_input(workdir)
-    result = snakemake(workdir, "--configfile", "broken.yaml")
+    result = snakemake(workdir, "--configfile", "config/config.yaml", "broken.yaml")
     terminal = result.stdout + result.stderr
     assert result.returncode != 0
     assert terminal.count(message) == 1, terminal[-4000:]
@@ -274,7 +275,8 @@ def test_a_user_error_is_not_retried_under_the_local_profile(tmp_path):
     once: the retries see that attempt 1 ended with a user error and end at once. The message shows once."""
     workdir = copy_workflow(tmp_path)
     message = broken_local_input(workdir)
-    result = snakemake(workdir, "--profile", "workflow/profiles/local", "--configfile", "broken.yaml")
+    result = snakemake(workdir, "--profile", "workflow/profiles/local", "--configfile", "config/config.yaml",
+                       "broken.yaml")
     terminal = result.stdout + result.stderr
     assert result.returncode != 0
     assert terminal.count("Trying to restart job") == 2, terminal[-4000:]
@@ -308,7 +310,8 @@ def with_config(workdir, overlay: str, *args) -> subprocess.CompletedProcess:
 
     config = merge(yaml.safe_load(OVERRIDE), yaml.safe_load(overlay) or {})
     (workdir / "changed.yaml").write_text(yaml.safe_dump(config))
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args, "--configfile", "changed.yaml"],
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args,
+                           "--configfile", "config/config.yaml", "changed.yaml"],
                           cwd=workdir, env=snakemake_environment(), capture_output=True, text=True, timeout=600)
 
 

@@ -26,14 +26,26 @@ def learn_bpe(
     train_files: list[str | Path],
     out_dir: str | Path,
     vocab_size: int,
-    input_sentence_size: int = 1_000_000,
-    character_coverage: float = 1.0,
-    seed: int = 1,
+    input_sentence_size: int | None = None,
+    character_coverage: float | None = None,
+    seed: int | None = None,
     threads: int | None = None,
 ) -> dict:
-    """Train the shared vocabulary; write ``spm.model``, ``spm.vocab`` and ``bpe.json`` into ``out_dir``."""
+    """Train the shared vocabulary; write ``spm.model``, ``spm.vocab`` and ``bpe.json`` into ``out_dir``.
+
+    A setting left as None takes the schema's default (its ``bpe`` section), written only there.
+    """
     import sentencepiece as spm
     from tqdm import tqdm
+
+    from aiayn.config import schema_default
+
+    if input_sentence_size is None:
+        input_sentence_size = schema_default("bpe.input_sentence_size")
+    if character_coverage is None:
+        character_coverage = schema_default("bpe.character_coverage")
+    if seed is None:
+        seed = schema_default("bpe.seed")
 
     out_dir = Path(out_dir)
     lines = check_training_text(train_files)

@@ -1,10 +1,10 @@
 """Config files: merge, validate against the schema (Snakemake's ``validate``), resolve presets.
 
-Config flows one way: YAML files (the embedded default, then ``--configfile``s, then
-``--config`` overrides) are merged key by key as Snakemake does, checked against
-``workflow/schemas/config.schema.yaml`` with a message that names the file and the key,
-filled with the schema's defaults, and then each model preset is resolved through its
-``inherit`` chain into one flat dict that the stages receive as JSON.
+Config flows one way: YAML files (the ``--configfile``s, or the demo's config/config.yaml when
+none is given, then ``--config`` overrides) are merged key by key as Snakemake does, checked
+against ``workflow/schemas/config.schema.yaml`` with a message that names the file and the key,
+filled with the schema's defaults (the only layer under a user's files), and then each model preset
+is resolved through its ``inherit`` chain into one flat dict that the stages receive as JSON.
 """
 
 from __future__ import annotations
@@ -35,15 +35,59 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: config file not found")
+    if path.is_dir():
+        raise UserError(f"{path}: a folder, not a config file (a YAML file of keys and values)")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML ({error})") from None
+        raise UserError(yaml_error_message(path, error)) from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text (a config file is YAML: keys and values)") from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot read the config file ({error.strerror})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a config file must be a mapping of keys to values, got {type(data).__name__}")
     return data
+
+
+def yaml_error_message(path: str | Path, error) -> str:
+    """A YAML syntax error as one line that names the file, line and column (YAML's marks count from 0)."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+    problem = getattr(error, "problem", None) or str(error)
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and context_mark and context_mark is not mark:
+        problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return f"{where}: not valid YAML: {problem}"
+
+
+def check_command_line_configfiles(argv: Sequence[str]) -> None:
+    """Snakemake reads its --configfile files before the Snakefile, and a syntax error there ends it
+    with "Config file is not valid JSON or YAML", no file named, exit status 1. The workflow's default
+    profile (profiles/default/config.yaml), which Snakemake reads before that, calls this with the
+    command line: a file that is missing or not YAML prints `error: <file>, line, column: ...` and
+    exits with status 2, as every other config error does."""
+    import sys
+
+    files, reading = [], False
+    for argument in argv:
+        if argument in ("--configfile", "--configfiles"):
+            reading = True
+        elif argument.startswith(("--configfile=", "--configfiles=")):
+            files.append(argument.split("=", 1)[1])
+            reading = False
+        elif argument.startswith("-"):
+            reading = False
+        elif reading:
+            files.append(argument)
+    for file in files:
+        try:
+            load_yaml(file)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def merge(base: dict, update: dict) -> dict:
@@ -175,16 +219,32 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
             f"{where}: preset {name!r} (via {' -> '.join(chain)}) does not set {', '.join(missing)}; "
             f"set them in presets.{chain[-1]} or inherit from a preset that does"
         )
-    _check_heads(name, resolved, sources)
+    _check_heads(name, chain, resolved, sources)
     resolved["name"] = name
     return resolved
 
 
-def _check_heads(name: str, preset: dict, sources: Sequence[str]) -> None:
+def _check_heads(name: str, chain: Sequence[str], preset: dict, sources: Sequence[str]) -> None:
     try:
         check_heads(preset["n_heads"], preset["d_model"], preset["d_head"], f"presets.{name}.n_heads")
     except UserError as error:
-        raise UserError(f"{_defined_in(['presets', name, 'n_heads'], sources)}: {error}") from None
+        raise UserError(f"{_heads_set_in(chain, sources)}: {error}") from None
+
+
+def _heads_set_in(chain: Sequence[str], sources: Sequence[str]) -> str:
+    """The file to blame for heads that do not divide d_model: the last file that sets n_heads, d_model or
+    d_head in the most specific preset of the `inherit` chain that sets any of them."""
+    for preset_name in chain:
+        for source in reversed(sources):
+            if source == "--config":
+                continue
+            try:
+                preset = load_yaml(source).get("presets", {}).get(preset_name)
+            except (UserError, AttributeError):
+                continue
+            if isinstance(preset, dict) and {"n_heads", "d_model", "d_head"} & set(preset):
+                return source
+    return sources[-1] if sources else "config"
 
 
 def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "n_heads") -> None:
@@ -236,6 +296,15 @@ def _schema() -> dict:
     import yaml
 
     return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def schema_default(key: str) -> Any:
+    """The schema's default for a dotted key (``"bpe.vocab_size"``), for code that needs one outside a
+    config (a command-line option, a function's keyword): the schema stays the one place it is written."""
+    node = _schema()
+    for part in key.split("."):
+        node = node["properties"][part]
+    return copy.deepcopy(node["default"])
 
 
 def section_schema(section: str) -> dict:

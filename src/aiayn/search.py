@@ -194,7 +194,8 @@ def stable_slots(parents: Tensor) -> Tensor:
 
 @torch.no_grad()
 def greedy_search(
-    model: SearchModel, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, length_penalty_alpha: float = 0.6
+    model: SearchModel, src: Tensor, max_len_a: float = SearchConfig.max_len_a,
+    max_len_b: int = SearchConfig.max_len_b, length_penalty_alpha: float = SearchConfig.length_penalty
 ) -> list[Hypothesis]:
     """The reference decoder: the most probable next token at every step, with the same cache and limits.
 

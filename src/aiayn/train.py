@@ -33,7 +33,7 @@ from aiayn.bpe import PAD_ID
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, choose_device, is_window_step,
                               list_checkpoints, load_checkpoint, save_model)
-from aiayn.config import check_resolved_preset, check_section
+from aiayn.config import check_resolved_preset, check_section, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
 from aiayn.loss import TrainingObjective, teacher_forced_loss
@@ -839,7 +839,8 @@ def main(argv=None):
     parser.add_argument("--dev-data", type=Path, help="binarized dev split folder")
     parser.add_argument("--spm-model", required=True, type=Path)
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--experiment", default="default")
+    parser.add_argument("--experiment", default=schema_default("experiment"),
+                        help="the MLflow experiment (default: %(default)s, the schema's)")
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("--no-tracking", action="store_true", help="metrics.jsonl only, no MLflow")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: leave torch's default)")

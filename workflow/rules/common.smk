@@ -10,19 +10,21 @@ from aiayn.joblog import print_job_messages, snapshot_logs
 
 
 def config_sources():
-    """The files whose merge is `config`, in order, for error messages that name the file."""
+    """The files whose merge is `config`, in order, for error messages that name the file: the
+    --configfile files, or the demo's config/config.yaml when none is given (the Snakefile)."""
     def shown(path):
         path = Path(path).resolve()
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
-    sources = [shown(Path(workflow.basedir) / "config" / "config.yaml")]
-    sources += [shown(path) for path in workflow.overwrite_configfiles]
+    files = workflow.overwrite_configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]
+    sources = [shown(path) for path in files]
     if workflow.config_settings.config:
         sources.append("--config")
     return sources
 
 
-# Validate once, before any job: one message naming the file and key, exit status 2.
+# Validate once, before any job: one message naming the file and key, exit status 2. The schema's
+# defaults fill every key the config files leave out (check_config).
 try:
     _validated = check_config(config, config_sources())
 except UserError as error:
