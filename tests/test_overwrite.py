@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ TIMEOUT = 120
 REFUSED = "writing it would destroy that input"
 
 
-def run_cli(args: list[str], cwd: Path, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiayn.cli", *args], cwd=cwd, stdout=stdout,
-                          stderr=subprocess.PIPE, timeout=TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aiayn.cli", *args], cwd=cwd, capture_output=True, timeout=TIMEOUT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,6 @@ def shared(tmp_path_factory) -> Path:
 
 def copy(shared: Path, case: Path, *names: str) -> None:
     """The named files (and folders) of ``shared``, copied into the case's own folder."""
-    import shutil
-
     for name in names:
         (case / name).parent.mkdir(parents=True, exist_ok=True)
         if (shared / name).is_dir():
@@ -156,7 +155,8 @@ CASES = [
                "test.json", "--dev-references", "out/table3.md", "--out-dir", "out", "--no-tracking"],
               "out/table3.md", ("--out-dir would write out/table3.md, which is the input --dev-references",)),
     Overwrite("compare: --csv is the tracking store", with_files(made=own_bytes("store/mlflow.db")),
-              ["compare", "--experiment", "x", "--tracking-uri", "sqlite:///store/mlflow.db", "--csv", "store/mlflow.db"],
+              ["compare", "--experiment", "x", "--tracking-uri", "sqlite:///store/mlflow.db",
+               "--csv", "store/mlflow.db"],
               "store/mlflow.db", ("--csv store/mlflow.db is the input --tracking-uri store/mlflow.db",)),
 ]
 
@@ -184,8 +184,8 @@ def test_translate_refuses_stdout_appended_to_its_model(shared, tmp_path):
     before = (tmp_path / "model.pt").read_bytes()
     with open(tmp_path / "model.pt", "ab") as appended:
         result = subprocess.run([sys.executable, "-m", "aiayn.cli", "translate", "--model", "model.pt", "--spm-model",
-                                 "bpe/spm.model", "--device", "cpu", "--threads", "1"], cwd=tmp_path, input=b"the dog .\n",
-                                stdout=appended, stderr=subprocess.PIPE, timeout=TIMEOUT)
+                                 "bpe/spm.model", "--device", "cpu", "--threads", "1"], cwd=tmp_path,
+                                input=b"the dog .\n", stdout=appended, stderr=subprocess.PIPE, timeout=TIMEOUT)
     stderr = result.stderr.decode()
     assert result.returncode == 2, stderr
     assert stderr.startswith("error: stdout is redirected into the input --model model.pt"), stderr

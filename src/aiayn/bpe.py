@@ -15,8 +15,8 @@ from typing import Iterator
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (
-    GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, refuse_overwriting_inputs,
-    write_json_atomic,
+    GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, write_json_atomic,
+    refuse_overwriting_inputs,
 )
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3

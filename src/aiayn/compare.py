@@ -29,12 +29,12 @@ def local_store(uri: str) -> Path | None:
     if uri.startswith("sqlite:"):
         path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
         return Path(path.split("?")[0]) if path and path != ":memory:" else None
-    parsed = urllib.parse.urlparse(uri)
     if uri == "databricks":  # MLflow's one bare word that is not a path
         return None
+    parsed = urllib.parse.urlparse(uri)
     if parsed.scheme == "file":
         return Path(urllib.parse.unquote(parsed.path))
-    return Path(uri) if parsed.scheme == "" or len(parsed.scheme) == 1 else None  # (C:\ is a drive)
+    return Path(uri) if parsed.scheme == "" else None
 
 
 def check_store_exists(uri: str) -> None:
@@ -108,7 +108,8 @@ def main(argv=None):
         from aiayn.fileio import refuse_overwriting_inputs
         from aiayn.tracking import resolve_tracking_uri
 
-        refuse_overwriting_inputs({"--csv": args.csv}, {"--tracking-uri": local_store(resolve_tracking_uri(args.tracking_uri))})
+        store = local_store(resolve_tracking_uri(args.tracking_uri))
+        refuse_overwriting_inputs({"--csv": args.csv}, {"--tracking-uri": store})
     table = compare_runs(args.experiment, args.tracking_uri, args.latest)
     if table.empty:
         print(f"no training runs in experiment {args.experiment!r}")

@@ -815,8 +815,9 @@ def hold_run_lock(run_dir: Path):
             handle.seek(0)
             holder = handle.read().strip() or "?"
             handle.close()
-            raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds {run_dir}/.lock); "
-                            "wait for it to end or stop it (kill -TERM writes a checkpoint), then rerun") from None
+            raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds "
+                            f"{run_dir}/.lock); wait for it to end or stop it (kill -TERM writes a checkpoint), "
+                            "then rerun") from None
         if _is_file_at(handle, lock_path):
             break
         handle.close()  # its last holder removed it after we opened it: lock the file now at that path
@@ -893,8 +894,8 @@ def main(argv=None):
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / "final.pt", args.run_dir / "final.json"]},
-                              {"--train-data": args.train_data, "--dev-data": args.dev_data, "--spm-model": args.spm_model},
-                              {"--run-dir": args.run_dir / "checkpoints"})
+                              {"--train-data": args.train_data, "--dev-data": args.dev_data,
+                               "--spm-model": args.spm_model}, {"--run-dir": args.run_dir / "checkpoints"})
     if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
         lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
     device = args.device if args.device != "auto" else train_section["device"]
