@@ -411,7 +411,8 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
 
     For a file, or with ``directory`` a folder (which replaces an existing folder of that name;
     a file never replaces a folder). An interrupted job leaves only a hidden ``.tmp-*`` name
-    behind, never a file that looks complete, and the next writer of the same output removes it.
+    behind, never a file that looks complete, and the next writer of the same output removes it;
+    a write that fails removes the folders it made for the output.
     """
     created = missing_folders(path)
     target = prepare_output(path, directory)
