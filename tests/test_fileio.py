@@ -12,7 +12,8 @@ import pytest
 
 from aiayn.errors import UserError
 from aiayn.fileio import (
-    atomic_path, count_lines, iter_lines, read_lines, remove_stale_temporaries_in, write_text_atomic,
+    atomic_path, count_lines, iter_lines, prepare_output, read_lines, refuse_overwriting_inputs,
+    remove_stale_temporaries_in, write_text_atomic,
 )
 
 HOST = socket.gethostname()
@@ -108,3 +109,86 @@ def test_a_character_cut_by_a_block_boundary_is_not_an_error(tmp_path, monkeypat
     (tmp_path / "g.de").write_bytes("grüße\n".encode() + b"\xc3")  # but one cut by the end of the file is
     with pytest.raises(UserError, match="line 2: bytes that are not UTF-8"):
         count_lines(tmp_path / "g.de")
+
+
+# --- an output that is an input ---------------------------------------------------------------------
+
+@pytest.fixture
+def source(tmp_path, monkeypatch):
+    """An input file, named relative to the working folder as on a command line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "test.en").write_text("a sentence\n")
+    return "data/test.en"
+
+
+@pytest.mark.parametrize("spelled", ["data/test.en", "./data/test.en", "data/../data/test.en", "{tmp}/data/test.en"])
+def test_an_output_spelled_any_way_that_resolves_to_an_input_is_refused(source, tmp_path, spelled):
+    output = spelled.format(tmp=tmp_path)
+    with pytest.raises(UserError) as refused:
+        refuse_overwriting_inputs({"--output": output}, {"--model": "model.pt", "--input": source})
+    message = str(refused.value)
+    assert message.startswith(f"--output {output} is the input --input data/test.en")
+    assert "writing it would destroy that input; give --output a path of its own" in message
+    if output != source:
+        assert f"(both are {tmp_path.resolve() / 'data' / 'test.en'})" in message
+
+
+def test_an_output_that_links_to_an_input_is_refused(source, tmp_path):
+    (tmp_path / "soft.de").symlink_to(tmp_path / source)
+    os.link(source, "hard.de")
+    with pytest.raises(UserError, match=r"--output soft.de is the input --input data/test.en \(both are "):
+        refuse_overwriting_inputs({"--output": "soft.de"}, {"--input": source})
+    with pytest.raises(UserError, match=r"--output hard.de is the input --input data/test.en \(the same file under "
+                                        r"another name: a hard link\)"):
+        refuse_overwriting_inputs({"--output": "hard.de"}, {"--input": source})
+
+
+def test_outputs_that_are_not_inputs_pass(source):
+    refuse_overwriting_inputs({"--output": "data/test.de", "--csv": None, "--out-dir": ["out/a", "out/b"]},
+                              {"--input": source, "--dev-data": None, "checkpoint": ["data/missing.pt", None]},
+                              {"--out-dir": "out"})
+
+
+def test_a_file_that_a_stage_writes_into_its_folder_is_refused_by_name(source):
+    with pytest.raises(UserError, match=r"^--out-dir would write data/test.en, which is the input "
+                                        r"data.local.test.src data/test.en: .* give --out-dir a folder of its own"):
+        refuse_overwriting_inputs({"--out-dir": ["data/test.de", "data/test.en"]}, {"data.local.test.src": source})
+
+
+def test_a_folder_replaced_as_a_whole_may_hold_no_input(source):
+    with pytest.raises(UserError, match=r"^--out-dir data holds the input --src data/test.en, and this command "
+                                        r"replaces that folder as a whole"):
+        refuse_overwriting_inputs({}, {"--src": source}, {"--out-dir": "data"})
+    with pytest.raises(UserError, match="--out-dir data/test.en holds the input"):
+        refuse_overwriting_inputs({}, {"--src": source}, {"--out-dir": "data/test.en"})
+    refuse_overwriting_inputs({}, {"--src": source}, {"--out-dir": "data/bin"})  # beside it, not above it
+
+
+def test_a_stream_redirected_into_an_input_is_refused_but_a_pipe_is_not(source):
+    with open(source, "a") as appended, pytest.raises(UserError, match=r"^stdout is redirected into the input "
+                                                                       r"--model data/test.en: .* send stdout to"):
+        refuse_overwriting_inputs({"stdout": appended}, {"--model": source})
+    read_end, write_end = os.pipe()  # a pipe's two ends are one inode, but writing one destroys nothing
+    with open(read_end, "rb") as reader, open(write_end, "wb") as writer:
+        refuse_overwriting_inputs({"stdout": writer}, {"stdin": reader, "--model": source})
+
+
+def test_a_failed_write_removes_the_folders_it_made_and_only_those(tmp_path):
+    (tmp_path / "results").mkdir()
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "results" / "average" / "base" / "model.pt"):
+            raise RuntimeError("the stage failed")
+    assert list(tmp_path.iterdir()) == [tmp_path / "results"] and not any((tmp_path / "results").iterdir())
+    write_text_atomic(tmp_path / "results" / "average" / "base" / "model.pt", "done")
+    assert (tmp_path / "results" / "average" / "base" / "model.pt").read_text() == "done"
+
+
+def test_an_output_checked_before_the_work_makes_no_folder_until_it_is_written(tmp_path):
+    target = prepare_output(tmp_path / "new" / "deeper" / "out.txt", create=False)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        prepare_output(tmp_path / "file" / "out.txt", create=False)
+    write_text_atomic(target, "x")
+    assert target.read_text() == "x"

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, load_checkpoint, save_model
+from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
+                              save_model)
 from aiayn.errors import UserError, cli
-from aiayn.fileio import prepare_output
+from aiayn.fileio import prepare_output, refuse_overwriting_inputs
 
 def _steps_of(checkpoint: dict) -> list[int]:
     if checkpoint["format"] == CHECKPOINT_FORMAT:
@@ -139,8 +140,15 @@ def main(argv=None):
         raise UserError("--last K and --checkpoint-dir DIR go together; give both, or list checkpoint files instead")
     if args.last is not None and args.checkpoints:
         raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
-    prepare_output(args.output)  # before the work: a folder named as the output, say, is refused at once
     paths = last_checkpoints(args.checkpoint_dir, args.last) if args.last is not None else args.checkpoints
+    # every checkpoint of --checkpoint-dir, not only the last K: replacing any would break the run's resume
+    run_checkpoints = ([path for _, path in list_checkpoints(args.checkpoint_dir, safety=True)]
+                       if args.last is not None else [])
+    refuse_overwriting_inputs({"--output": args.output}, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
+                                                          "--log-to-run": args.log_to_run})
+    # before the work: a folder named as the output, say, is refused at once; its folder is made only
+    # when the model is written, so that a failed average leaves none
+    prepare_output(args.output, create=False)
     if args.last is not None and len(paths) < args.last:
         print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "
               "early, e.g. at train.max_minutes); averaging those", file=sys.stderr)

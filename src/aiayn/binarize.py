@@ -26,7 +26,7 @@ import numpy as np
 
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines
+from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs
 
 CHUNK_PAIRS = 20_000
 _processor = None  # one SentencePiece processor per worker process
@@ -159,6 +159,8 @@ def binarize_split(
     Streams: each chunk's kept ids are appended to the arrays' files as it comes back, in a
     temporary folder renamed onto ``out_dir`` only when every array is complete.
     """
+    refuse_overwriting_inputs({}, {"--src": src_path, "--tgt": tgt_path, "--spm-model": model_path},
+                              {"--out-dir": out_dir})  # the folder is replaced as a whole
     if workers < 1:
         raise UserError(f"--workers {workers} must be at least 1")
     if max_tokens is not None and max_tokens < 1:

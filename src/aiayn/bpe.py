@@ -16,6 +16,7 @@ from typing import Iterator
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (
     GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, write_json_atomic,
+    refuse_overwriting_inputs,
 )
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -48,6 +49,8 @@ def learn_bpe(
         seed = schema_default("bpe.seed")
 
     out_dir = Path(out_dir)
+    refuse_overwriting_inputs({"--out-dir": [out_dir / name for name in ("spm.model", "spm.vocab", "bpe.json")]},
+                              {"training text": train_files}, {"--out-dir": out_dir / ".spm-training"})
     lines = check_training_text(train_files)
     if threads is not None and threads < 1:
         raise UserError(f"--threads {threads} must be at least 1")

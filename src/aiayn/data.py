@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import count_lines, iter_lines, prepare_output, temporary_prefix, write_json_atomic
+from aiayn.fileio import (count_lines, iter_lines, prepare_output, refuse_overwriting_inputs, temporary_prefix,
+                          write_json_atomic)
 
 SPLITS = ("train", "dev", "test")
 BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
@@ -340,6 +341,12 @@ def download(data: dict, out_dir: str | Path) -> dict:
 
     out_dir = Path(out_dir)
     src_lang, tgt_lang = data["src_lang"], data["tgt_lang"]
+    local = (data.get("local") or {}) if data["source"] == "local" else {}
+    refuse_overwriting_inputs(  # a local text file where the cleaned split is written would be replaced by it
+        {"--out-dir": [out_dir / f"{split}.{lang}" for split in SPLITS for lang in (src_lang, tgt_lang)]
+         + [out_dir / "stats.json"]},
+        {f"data.local.{split}.{side}": os.path.expanduser(spec[side])
+         for split, spec in local.items() if isinstance(spec, dict) for side in ("src", "tgt") if side in spec})
     if src_lang == tgt_lang:
         raise UserError(f"data.src_lang and data.tgt_lang are both {src_lang!r}; they must differ")
     if data["source"] == "demo":

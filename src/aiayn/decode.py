@@ -218,7 +218,7 @@ class DecodeSettings:
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.config import add_config_arguments, check_section, section_from_arguments
-    from aiayn.fileio import prepare_output, read_lines, write_lines_atomic
+    from aiayn.fileio import prepare_output, read_lines, refuse_overwriting_inputs, write_lines_atomic
 
     parser = argparse.ArgumentParser(prog="aiayn decode", description=__doc__.splitlines()[0])
     add_config_arguments(parser, "decode")
@@ -228,13 +228,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="overrides decode.workers (the Snakefile passes it apart: it changes no output)")
     args = parser.parse_args(argv)
+    refuse_overwriting_inputs({"--output": args.output}, {"--input": args.input, "--model": args.model,
+                                                          "--spm-model": args.spm_model, "--config": args.config})
 
     section = section_from_arguments(args, "decode")
     if args.workers is not None:
         section = check_section("decode", {**section, "workers": args.workers}, "--workers")
     settings = DecodeSettings.from_section(section)
     config = settings.search
-    prepare_output(args.output)  # refused before decoding, not after
+    prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
     tokens_per_batch = resolve_tokens_per_batch(settings.tokens_per_batch, device)

@@ -12,10 +12,11 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import IO, Any, BinaryIO, Iterable, Iterator, Mapping, Union
 
 from aiayn.errors import UserError
 
@@ -228,6 +229,86 @@ def fingerprint_files(*paths: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+# --- outputs that are inputs ------------------------------------------------------------------
+
+# What names the files of one option: a path, several, a stream (stdout), or None (an option not given).
+Paths = Union[str, os.PathLike, IO, Iterable[Union[str, os.PathLike]], None]
+
+
+def _each(value: Paths) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)) or hasattr(value, "fileno"):
+        return [value]
+    return [item for item in value if item is not None]
+
+
+def _regular_file_id(thing) -> tuple[int, int] | None:
+    """(device, inode) of a path or stream that is a regular file, else None: two terminals or the two
+    ends of a pipe share an inode, but writing one does not destroy the other."""
+    try:
+        status = os.fstat(thing.fileno()) if hasattr(thing, "fileno") else os.stat(thing)
+    except (OSError, ValueError):  # missing, or a stream without a descriptor (pytest's capture, say)
+        return None
+    return (status.st_dev, status.st_ino) if stat.S_ISREG(status.st_mode) else None
+
+
+def _resolved(thing) -> Path | None:
+    if hasattr(thing, "fileno"):
+        return None
+    try:
+        return Path(thing).resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links: compared as written
+        return Path(os.path.abspath(thing))
+
+
+def refuse_overwriting_inputs(outputs: Mapping[str, Paths], inputs: Mapping[str, Paths],
+                              replaced_folders: Mapping[str, str | os.PathLike | None] | None = None) -> None:
+    """Refuse, before anything is read, a command whose output would destroy one of its inputs.
+
+    ``outputs`` and ``inputs`` map each option (``--output``, ``--model``, ...) to what it names:
+    a path, a list of paths (a stage writing named files into ``--out-dir`` lists them), or a stream
+    (``sys.stdout`` redirected into a file). An output is an input when both resolve to one path
+    (relative spellings, ``..`` and symbolic links included) or are one file (a hard link).
+    ``replaced_folders`` names folders the stage replaces as a whole: no input may be inside one.
+    One UserError names the output's option and path, the input it would destroy, and the fix.
+    """
+    sources = [(option, path, _resolved(path), _regular_file_id(path))
+               for option, value in inputs.items() for path in _each(value)]
+    for option, value in outputs.items():
+        several = not isinstance(value, (str, os.PathLike)) and not hasattr(value, "fileno")
+        for output in _each(value):
+            resolved, identity = _resolved(output), _regular_file_id(output)
+            for source_option, source, source_resolved, source_identity in sources:
+                same_inode = identity is not None and identity == source_identity
+                if not same_inode and (resolved is None or resolved != source_resolved):
+                    continue
+                stream = hasattr(output, "fileno")
+                if stream or str(output) == str(source):
+                    how = ""
+                elif resolved == source_resolved:
+                    how = f" (both are {resolved})"
+                else:
+                    how = " (the same file under another name: a hard link)"
+                what = (f"{option} is redirected into the input {source_option} {source}" if stream else
+                        f"{option} would write {output}, which is the input {source_option} {source}" if several else
+                        f"{option} {output} is the input {source_option} {source}")
+                fix = (f"send {option} to a file of its own" if stream else
+                       f"give {option} a {'folder' if several else 'path'} of its own")
+                raise UserError(f"{what}{how}: writing it would destroy that input; {fix} "
+                                "(nothing was read or written)")
+    for option, folder in (replaced_folders or {}).items():
+        if folder is None:
+            continue
+        folder_resolved = Path(folder).resolve()
+        for source_option, source, source_resolved, _ in sources:
+            if source_resolved is not None and (source_resolved == folder_resolved
+                                                or folder_resolved in source_resolved.parents):
+                raise UserError(f"{option} {folder} holds the input {source_option} {source}, and this command "
+                                f"replaces that folder as a whole: writing it would destroy that input; give "
+                                f"{option} a folder that holds none of the inputs (nothing was read or written)")
+
+
 # --- writing ---------------------------------------------------------------------------------
 # A temporary is named for its output, its process and its host: `.tmp-<output name>-<pid>@<host>-<random>`,
 # so that a later writer of the same output can tell a stale one (its process gone) from a live one.
@@ -283,9 +364,27 @@ def _remove_stale(folder: Path, prefix: str, pattern: re.Pattern) -> list[Path]:
     return removed
 
 
-def prepare_output(target: str | os.PathLike, directory: bool = False) -> Path:
+def missing_folders(path: str | os.PathLike) -> list[Path]:
+    """The folders above ``path`` that do not exist yet, deepest first: what making it would create."""
+    return [parent for parent in Path(path).parents if not parent.exists()]
+
+
+def remove_empty_folders(folders: Iterable[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) that is empty: what a failed stage made for its output."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or already gone): leave it, and everything above it
+            return
+
+
+def prepare_output(target: str | os.PathLike, directory: bool = False, create: bool = True) -> Path:
     """Check that ``target`` can be written (its folder made, a file not replacing a folder) and
-    remove its stale temporaries; a UserError names what is in the way."""
+    remove its stale temporaries; a UserError names what is in the way.
+
+    ``create=False`` checks without making its folder: a stage that checks its output before the work
+    makes the folder only when it writes (``atomic_path``), so that a failed run leaves no empty folder.
+    """
     target = Path(target)
     if not directory and target.is_dir():
         raise UserError(f"{target} is a directory; give the name of the file to write (e.g. {target}/<name>)")
@@ -294,12 +393,14 @@ def prepare_output(target: str | os.PathLike, directory: bool = False) -> Path:
     for parent in [target.parent, *target.parent.parents]:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"cannot write {target}: {parent} is a file, not a folder")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except PermissionError:
-        raise UserError(f"cannot write {target}: permission denied creating its folder") from None
-    if not os.access(target.parent, os.W_OK):
-        raise UserError(f"cannot write {target}: its folder {target.parent} is not writable")
+    if create:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except PermissionError:
+            raise UserError(f"cannot write {target}: permission denied creating its folder") from None
+    existing = next(parent for parent in [target.parent, *target.parent.parents] if parent.exists())
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"cannot write {target}: its folder {existing} is not writable")
     remove_stale_temporaries(target)
     return target
 
@@ -310,13 +411,16 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
 
     For a file, or with ``directory`` a folder (which replaces an existing folder of that name;
     a file never replaces a folder). An interrupted job leaves only a hidden ``.tmp-*`` name
-    behind, never a file that looks complete, and the next writer of the same output removes it.
+    behind, never a file that looks complete, and the next writer of the same output removes it;
+    a write that fails removes the folders it made for the output.
     """
+    created = missing_folders(path)
     target = prepare_output(path, directory)
     fd, tmp_name = tempfile.mkstemp(prefix=temporary_prefix(target), dir=target.parent)
     os.close(fd)
     os.unlink(tmp_name)
     tmp = Path(tmp_name)
+    done = False
     try:
         yield tmp
         if directory and target.is_dir() and not target.is_symlink():
@@ -324,11 +428,14 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
         elif target.is_dir():  # made while we wrote: still never replace a folder by a file
             raise UserError(f"{target} is a directory; give the name of the file to write")
         os.replace(tmp, target)
+        done = True
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+        if not done:  # a failed write leaves no empty folder that it made
+            remove_empty_folders(created)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

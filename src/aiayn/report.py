@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, read_lines, write_text_atomic
+from aiayn.fileio import atomic_path, read_lines, refuse_overwriting_inputs, write_text_atomic
 
 BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
 BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
@@ -327,6 +327,12 @@ def main(argv=None):
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
     args = parser.parse_args(argv)
+    refuse_overwriting_inputs(
+        {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
+                       "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png")]},
+        {"--runs": args.runs, "--dev-scores": args.dev_scores, "--test-scores": args.test_scores,
+         "--dev-translations": args.dev_translations, "--dev-references": args.dev_references,
+         "--attention-model": args.attention_model, "--spm-model": args.spm_model})
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import prepare_output, read_lines, write_json_atomic
+from aiayn.fileio import prepare_output, read_lines, refuse_overwriting_inputs, write_json_atomic
 
 BLEU_TOK_METHOD = (
     "moses replace-unicode-punctuation + moses tokenizer -l {lang} (escaped) + compound split "
@@ -200,8 +200,10 @@ def main(argv=None):
     parser.add_argument("--split", default="test", help="metric name prefix with --log-to-run (dev or test)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     args = parser.parse_args(argv)
+    refuse_overwriting_inputs({"--output": args.output},
+                              {"--hyp": args.hyp, "--ref": args.ref, "--log-to-run": args.log_to_run})
     if args.output is not None:
-        prepare_output(args.output)  # refused before scoring, not after
+        prepare_output(args.output, create=False)  # refused before scoring, not after; its folder made when written
     result = score_files(args.hyp, args.ref, args.lang)
     if args.output is not None:
         write_json_atomic(args.output, result)

@@ -360,6 +360,14 @@ class Tracker:
             self._jsonl = None
 
 
+def forget_unresumed_attempt(run_dir: str | Path) -> None:
+    """Remove what an earlier attempt of a run logged when this one starts afresh (no checkpoint to resume:
+    it failed or was killed before its first). Its steps are trained again, perhaps with a fixed config,
+    and must be logged again, not skipped as held; into a new MLflow run, as the earlier run has them."""
+    for name in ("metrics.jsonl", MLFLOW_STEP_FILE, RUN_ID_FILE):
+        (Path(run_dir) / name).unlink(missing_ok=True)
+
+
 def _last_logged_step(path: Path) -> int:
     """The highest step in a ``metrics.jsonl`` (-1 if none); a line cut short by a kill is ignored."""
     last = -1

@@ -35,7 +35,8 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, 
                               list_checkpoints, load_checkpoint, save_model)
 from aiayn.config import check_resolved_preset, check_section, schema_default
 from aiayn.errors import UserError, cli
-from aiayn.fileio import remove_stale_temporaries_in, write_json_atomic
+from aiayn.fileio import (missing_folders, refuse_overwriting_inputs, remove_empty_folders,
+                          remove_stale_temporaries_in, write_json_atomic)
 from aiayn.loss import TrainingObjective, teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
 from aiayn.speed.cpu_attention import cpu_attention
@@ -430,10 +431,10 @@ class Trainer:
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.precision = resolved_precision(self.settings.precision, self.device)  # what `auto` became here
         self.peak = peak_flops(self.device)
-        self.tracker = self._start_tracking() if self.dist.is_main else None
         self.source = StepSource(self.train_split, self.settings)
-        if not self.source.steps_of(self.progress.epoch):
+        if not self.source.steps_of(self.progress.epoch):  # before tracking starts: no run is left open
             raise UserError(f"{job.train_data}: no training pairs")
+        self.tracker = self._start_tracking() if self.dist.is_main else None
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -498,9 +499,11 @@ class Trainer:
         return objective
 
     def _start_tracking(self):
-        from aiayn.tracking import Tracker, flatten, git_commit, git_tags
+        from aiayn.tracking import Tracker, flatten, forget_unresumed_attempt, git_commit, git_tags
 
         job = self.job
+        if self.resumed_from is None:  # a fresh start: what an earlier attempt logged is not this run's
+            forget_unresumed_attempt(job.run_dir)
         tracker = Tracker(job.run_dir, job.tracking_uri, job.experiment,
                           run_name=f"{job.preset['name']}-seed{job.seed}", enabled=job.track)
         params = flatten("", {"preset": job.preset, "train": job.train_section, "seed": job.seed}, {})
@@ -796,20 +799,29 @@ def hold_run_lock(run_dir: Path):
     A second trainer on the same folder (an orphan of a killed workflow still running, say) would
     interleave its checkpoints and metrics with the first one's, so it refuses, naming the holder.
     """
+    import atexit
     import fcntl
 
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file, but a run folder is expected; give another path")
+    created = ([] if run_dir.exists() else [run_dir]) + missing_folders(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / ".lock", "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds {run_dir}/.lock); "
-                        "wait for it to end or stop it (kill -TERM writes a checkpoint), then rerun") from None
+    lock_path = run_dir / ".lock"
+    while True:
+        handle = open(lock_path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            handle.close()
+            raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds "
+                            f"{run_dir}/.lock); wait for it to end or stop it (kill -TERM writes a checkpoint), "
+                            "then rerun") from None
+        if _is_file_at(handle, lock_path):
+            break
+        handle.close()  # its last holder removed it after we opened it: lock the file now at that path
+    atexit.register(_release_run_lock, handle, lock_path, created)
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
@@ -818,6 +830,21 @@ def hold_run_lock(run_dir: Path):
     for folder in (run_dir, run_dir / "checkpoints"):
         remove_stale_temporaries_in(folder)
     return handle  # the lock lasts while this stays open
+
+
+def _is_file_at(handle, path: Path) -> bool:
+    try:
+        return os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _release_run_lock(handle, lock_path: Path, created: list[Path]) -> None:
+    """At exit: remove the lock file while still holding it (a trainer that opened it meanwhile finds it
+    gone and locks a new one), then the folders the run made if nothing is in them (it failed at once)."""
+    lock_path.unlink(missing_ok=True)
+    handle.close()
+    remove_empty_folders(created)
 
 
 def _report_status(status: int) -> int:
@@ -867,6 +894,9 @@ def main(argv=None):
     check_resolved_preset(preset, "--preset-json")
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
+    refuse_overwriting_inputs({"--run-dir": [args.run_dir / "final.pt", args.run_dir / "final.json"]},
+                              {"--train-data": args.train_data, "--dev-data": args.dev_data,
+                               "--spm-model": args.spm_model}, {"--run-dir": args.run_dir / "checkpoints"})
     if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
         lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
     device = args.device if args.device != "auto" else train_section["device"]

@@ -18,6 +18,7 @@ from typing import Sequence, TextIO
 
 from aiayn.decode import add_runtime_arguments, hypothesis_text, load_runtime, tokens_per_batch_argument, translate
 from aiayn.errors import UserError, cli
+from aiayn.fileio import refuse_overwriting_inputs
 from aiayn.search import SearchConfig
 
 
@@ -69,6 +70,8 @@ def arguments() -> argparse.ArgumentParser:
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
     args = arguments().parse_args(argv)
+    # `> model.pt` has emptied the model already (loading it says so); `>> model.pt` would append to it
+    refuse_overwriting_inputs({"stdout": sys.stdout}, {"--model": args.model, "--spm-model": args.spm_model})
 
     config = SearchConfig(
         beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
