@@ -96,6 +96,7 @@ def _model_files_in(folder: str | os.PathLike) -> str:
     found = [folder / name for name in ("model.pt", "final.pt") if (folder / name).is_file()]
     for checkpoints in (folder, folder / "checkpoints"):
         found += [path for _, path in list_checkpoints(checkpoints)[-1:]]
+    found = found or sorted(folder.glob("*.pt"))[:3]
     if found:
         return f" (one file: did you mean {' or '.join(str(path) for path in found)}?)"
     return (" (one file: an averaged results/average/<model>/model.pt, a run's final.pt, or a checkpoint "

@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
     hypotheses = translate(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
-                           workers=args.workers)
+                           workers=args.workers, source="stdin")
     results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
                for sentence in hypotheses]
     write_translations(results, config.n_best, sys.stdout)
