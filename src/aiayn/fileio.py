@@ -381,7 +381,9 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
     For a file, or with ``directory`` a folder (which replaces an existing folder of that name;
     a file never replaces a folder). An interrupted job leaves only a hidden ``.tmp-*`` name
     behind, never a file that looks complete, and the next writer of the same output removes it.
+    A failed write also removes the folders made for it that are still empty.
     """
+    made = [folder for folder in Path(path).absolute().parents if not folder.exists()]  # deepest first
     target = prepare_output(path, directory)
     fd, tmp_name = tempfile.mkstemp(prefix=temporary_prefix(target), dir=target.parent)
     os.close(fd)
@@ -399,6 +401,10 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+        if not target.exists():
+            for folder in made:
+                with contextlib.suppress(OSError):  # not empty (another writer's output): kept
+                    folder.rmdir()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
