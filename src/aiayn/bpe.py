@@ -15,7 +15,7 @@ from typing import Iterator
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (
-    GZIP_MAGIC, decompressed_name, atomic_path, count_lines, fingerprint_files, input_exists, iter_lines, open_input,
+    GZIP_MAGIC, atomic_path, count_lines, decompressed_name, fingerprint_files, input_exists, iter_lines, open_input,
     prepare_output, write_json_atomic,
 )
 
@@ -103,8 +103,8 @@ def learn_bpe(
 
 def check_training_text(train_files: list[str | Path]) -> int:
     """Every file UTF-8 text with at least one line, checked whole before SentencePiece reads it: it
-    fails on a directory, an empty file or one of blank lines with a traceback, and takes bytes that are not UTF-8 silently.
-    Returns the number of lines in all."""
+    fails on a directory, an empty file or one of blank lines with a traceback, and takes bytes that are
+    not UTF-8 silently. Returns the number of lines in all."""
     lines = 0
     for path in train_files:
         if not input_exists(path):

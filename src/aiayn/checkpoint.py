@@ -34,7 +34,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if path.is_dir():
         raise UserError(f"{path} is a directory, but a checkpoint or model file is expected (for the last K "
                         f"checkpoints of a run use --last K --checkpoint-dir {path})")
-    if not input_exists(path):
+    if not input_exists(path) or not path.is_file():
         raise UserError(f"{path}: no such checkpoint file (check the path or the checkpoint directory)")
     open_input(path).close()  # a file this user may not read is named so, not called corrupt
     try:

@@ -91,8 +91,8 @@ def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[in
     raise UserError(
         f"{source}: {len(too_long)} sentence{'s' if len(too_long) > 1 else ''} longer than the model's learned "
         f"positional table (max_positions = {limit}: at most {limit - 1} BPE tokens and the end-of-sentence), "
-        f"line{'s' if len(too_long) > 1 else ''} {shown}{more}; nothing was translated: split or shorten those lines (the model cannot read past "
-        "its table; a model with positional = sinusoidal has no such limit)"
+        f"line{'s' if len(too_long) > 1 else ''} {shown}{more}; nothing was translated: split or shorten those "
+        "lines (the model cannot read past its table; a model with positional = sinusoidal has no such limit)"
     )
 
 

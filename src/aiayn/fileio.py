@@ -121,8 +121,8 @@ def _not_text(path: Path, head: bytes, tail: bytes) -> str | None:
         if head.startswith(magic) and (magic != b"PAR1" or tail == b"PAR1"):
             fix = fix.format(path=path, xz=decompressed_name(path, ".xz"), zst=decompressed_name(path, ".zst"))
             return f"{path}: {what}, not UTF-8 text; {fix}"
-    if b"\x00" in head and head.count(b"\x00") * 4 >= len(head):  # ASCII as UTF-16 is every other byte NUL; a stray NUL is
-        # not that, and is named with its line by the readers (_nul_byte)
+    # ASCII as UTF-16 is every other byte NUL; a stray NUL is not that, and the readers name its line (_nul_byte)
+    if b"\x00" in head and head.count(b"\x00") * 4 >= len(head):
         return (f"{path}: contains NUL bytes, so it is not UTF-8 text (UTF-16 without a byte-order mark, or not "
                 f"text at all); re-encode text as UTF-8 (iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8)")
     return None
