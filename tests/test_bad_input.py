@@ -9,8 +9,10 @@ once. Every case runs under a timeout, so a stage that hangs fails its case.
 from __future__ import annotations
 
 import bz2
+import ctypes
 import gzip
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -39,9 +41,62 @@ def shared(tmp_path_factory) -> Path:
     return root
 
 
-def run_cli(args: list[str], cwd: Path, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path, stdin: bytes | None = None,
+            unprivileged: bool = False) -> subprocess.CompletedProcess:
+    """``aiayn ARGS`` in a subprocess; ``unprivileged``: one that file permissions apply to, also as root."""
     return subprocess.run([sys.executable, "-m", "aiayn.cli", *args], cwd=cwd, input=stdin, capture_output=True,
-                          timeout=TIMEOUT)
+                          timeout=TIMEOUT, preexec_fn=_drop_read_override if unprivileged else None)
+
+
+def _drop_read_override() -> None:
+    """As root, drop the capabilities that let root read any file (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH)
+    from the bounding set before exec, so that a file of mode 000 cannot be opened, as for any other user.
+    Not root: nothing to drop."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def unreadable(path: Path) -> str:
+    """``path`` made unreadable (mode 000); a test that cannot drop root's override is skipped."""
+    path.chmod(0)
+    if os.geteuid() == 0:
+        try:
+            subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=_drop_read_override)
+        except (subprocess.SubprocessError, OSError) as error:
+            pytest.skip(f"root without CAP_SETPCAP cannot give up reading every file ({error})")
+    return str(path)
+
+
+def model_file(path: Path, shared: Path, positional: str = "learned", max_positions: int = 16) -> str:
+    """An untrained one-layer model of the shared vocabulary, as `aiayn average` writes it."""
+    import torch
+
+    from aiayn.bpe import load_processor, vocab_fingerprint
+    from aiayn.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=load_processor(shared / "bpe" / "spm.model").get_piece_size(), n_layers=1,
+                         d_model=16, d_ff=32, n_heads=2, positional=positional, max_positions=max_positions)
+    torch.save({"format": "aiayn-model-v1", "model_config": config.to_dict(), "model": Transformer(config).state_dict(),
+                "vocab_fingerprint": vocab_fingerprint(shared / "bpe" / "spm.model"), "data_fingerprint": "d",
+                "averaged_steps": [1], "averaged_from": ["x"]}, path)
+    return str(path)
+
+
+def translate(case: Path, shared: Path) -> list[str]:
+    return ["translate", "--model", model_file(case / "sinusoidal.pt", shared, "sinusoidal"),
+            "--spm-model", str(shared / "bpe" / "spm.model"), "--device", "cpu", "--max-len-b", "2"]
+
+
+def symlink_loop(folder: Path, name: str) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).symlink_to(folder / f"{name}.back")
+    (folder / f"{name}.back").symlink_to(folder / name)
+    return str(folder / name)
 
 
 # --- making broken inputs ------------------------------------------------------------------------
@@ -115,6 +170,8 @@ class Refused:
     fix: str                                  # a fragment of the advice it must give
     outputs: tuple[str, ...] = ("out", "bpe", "bin", "out.de", "score.json", "model.pt.out")
     stdin: bytes | None = None
+    absent: tuple[str, ...] = ()              # what the message must not say (a wrong diagnosis)
+    unprivileged: bool = False                # run where file permissions apply (as root too)
 
 
 REFUSED = [
@@ -193,7 +250,24 @@ REFUSED = [
     Refused("bpe: gzip-compressed training text",
             lambda case, shared: bpe(case, shared, str(write(case / "train.en.gz", gzip.compress(lines(50)))),
                                      str(shared / "raw" / "train.de")),
-            ("train.en.gz", "gzip-compressed"), "gunzip -k"),
+            ("train.en.gz", "gzip-compressed"), "gunzip -c"),
+    Refused("bpe: gzip-compressed training text with a .txt name",
+            lambda case, shared: bpe(case, shared, str(write(case / "train.txt", gzip.compress(lines(50)))),
+                                     str(shared / "raw" / "train.de")),
+            ("train.txt", "gzip-compressed"), "gunzip -c " + "{case}/train.txt > {case}/train.plain.txt"),
+    Refused("bpe: training text whose lines are all blank",
+            lambda case, shared: bpe(case, shared, str(write(case / "train.en", b"\n  \n\t\n")),
+                                     str(write(case / "train.de", b"\n\n \n"))),
+            ("train.en holds 3 lines, every one of them blank",), "no text to learn a vocabulary from"),
+    Refused("bpe: training text this user may not read",
+            lambda case, shared: bpe(case, shared, unreadable(write(case / "train.en", lines(50))),
+                                     str(shared / "raw" / "train.de")),
+            ("train.en", "cannot be read, permission denied"), "chmod a+r", unprivileged=True),
+    Refused("bpe: a loop of symbolic links for training text",
+            lambda case, shared: bpe(case, shared, symlink_loop(case / "links", "train.en"),
+                                     str(shared / "raw" / "train.de")),
+            ("train.en", "a loop of symbolic links", "train.en.back"), "point the link at the file",
+            absent=("not found",)),
     Refused("bpe: a vocabulary the text cannot support",
             lambda case, shared: bpe(case, shared, str(shared / "raw" / "train.en"), str(shared / "raw" / "train.de"),
                                      vocab_size=50000),
@@ -225,6 +299,17 @@ REFUSED = [
     Refused("binarize: a line that is not UTF-8, late in the file",
             lambda case, shared: binarize(case, shared, tgt=str(write(case / "dev.de", lines(19) + b"\xff\n"))),
             ("dev.de, line 20", "not UTF-8"), "iconv"),
+    Refused("binarize: a NUL byte late in the text",
+            lambda case, shared: binarize(case, shared, src=str(write(case / "dev.en", lines(19) + b"ein\x00wort\n"))),
+            ("dev.en, line 20", "NUL byte"), "tr -d '\\000'"),
+    Refused("binarize: a training split that keeps no pair",
+            lambda case, shared: binarize(case, shared, split="train", max_tokens=1),
+            ("the train split keeps none of its 200 pairs", "binarize.max_tokens = 1"), "raise it"),
+    Refused("binarize: a SentencePiece model this user may not read",
+            lambda case, shared: binarize(case, shared, spm=unreadable(write(
+                case / "spm.model", (shared / "bpe" / "spm.model").read_bytes()))),
+            ("spm.model", "cannot be read, permission denied"), "chmod a+r", absent=("not a SentencePiece",),
+            unprivileged=True),
     Refused("binarize: no workers",
             lambda case, shared: binarize(case, shared, workers="0"),
             ("--workers 0",), "at least 1"),
@@ -248,6 +333,20 @@ REFUSED = [
     Refused("decode: a directory for the model",
             lambda case, shared: decode(case, shared, model=mkdir(case / "average")),
             ("average is a directory",), "checkpoint or model file is expected"),
+    Refused("decode: a run folder for the model",
+            lambda case, shared: decode(case, shared, model=str(write(case / "run" / "final.pt", b"x").parent)),
+            ("run is a directory", "checkpoint or model file is expected"), "did you mean {case}/run/final.pt"),
+    Refused("decode: a checkpoint this user may not read",
+            lambda case, shared: decode(case, shared, model=unreadable(Path(model_file(case / "model.pt", shared)))),
+            ("model.pt", "cannot be read, permission denied"), "chmod a+r", absent=("corrupt", "delete it"),
+            unprivileged=True),
+    Refused("decode: a loop of symbolic links for the model",
+            lambda case, shared: decode(case, shared, model=symlink_loop(case / "links", "model.pt")),
+            ("model.pt", "a loop of symbolic links"), "point the link at the file", absent=("no such",)),
+    Refused("decode: sentences longer than a learned positional table, refused before decoding",
+            lambda case, shared: decode(case, shared, model=model_file(case / "model.pt", shared, max_positions=16)),
+            ("dev.en", "sentences longer than the model's learned positional table", "max_positions = 16",
+             "lines 2 ("), "split or shorten those lines"),
     Refused("decode: a directory for the output, refused before decoding",
             lambda case, shared: decode(case, shared, output=mkdir(case / "translations")),
             ("translations is a directory",), "give the name of the file to write"),
@@ -263,6 +362,10 @@ REFUSED = [
             lambda case, shared: ["translate", "--model", mkdir(case / "average"), "--spm-model",
                                   str(shared / "bpe" / "spm.model"), "--device", "cpu"],
             ("average is a directory",), "checkpoint or model file", stdin=b"hello\n"),
+    Refused("translate: old Mac line endings (CR only) on stdin",
+            translate, ("stdin", "carriage return alone"), "tr '\\r' '\\n'", stdin=b"the man .\rthe dog .\r"),
+    Refused("translate: a NUL byte on stdin",
+            translate, ("stdin, line 2", "NUL byte"), "tr -d", stdin=b"the man .\nthe\x00dog .\n"),
     # score
     Refused("score: a directory for the hypotheses",
             lambda case, shared: score(case, shared, hyp=mkdir(case / "decode")),
@@ -270,6 +373,10 @@ REFUSED = [
     Refused("score: missing references",
             lambda case, shared: score(case, shared, ref=str(case / "ref.de")),
             ("ref.de: no such file",), "check the path"),
+    Refused("score: references in a folder this user may not search",
+            lambda case, shared: score(case, shared, ref=(write(case / "refs" / "ref.de", lines(20)),
+                                                          unreadable(case / "refs"))[0].as_posix()),
+            ("ref.de", "permission denied on the way to it"), "ls -ld", absent=("no such file",), unprivileged=True),
     Refused("score: hypotheses and references of different lengths",
             lambda case, shared: score(case, shared, hyp=str(write(case / "hyp.de", lines(19)))),
             ("hyp.de has 19 lines", "dev.de has 20"), "one line per reference line"),
@@ -311,14 +418,16 @@ REFUSED = [
 def test_a_broken_input_is_refused_with_one_message_naming_it_and_the_fix(case, shared, tmp_path):
     args = case.setup(tmp_path, shared)
     before = {path for path in tmp_path.rglob("*")}
-    result = run_cli(args, tmp_path, case.stdin)
+    result = run_cli(args, tmp_path, case.stdin, case.unprivileged)
     stderr = result.stderr.decode("utf-8", errors="replace")
     assert result.returncode == 2, stderr[-3000:]
     assert stderr.startswith("error: ") and "Traceback" not in stderr, stderr[-3000:]
     assert [line for line in stderr.splitlines() if line.strip()] == [stderr.strip()], stderr  # one message
     for name in case.names:
         assert name in stderr, (name, stderr)
-    assert case.fix in stderr, (case.fix, stderr)
+    assert case.fix.format(case=tmp_path) in stderr, (case.fix, stderr)
+    for wrong in case.absent:
+        assert wrong not in stderr, (wrong, stderr)
     for output in case.outputs:
         assert not (tmp_path / output).exists() or tmp_path / output in before, output
     assert not [path for path in tmp_path.rglob(".tmp-*")], "a temporary was left behind"

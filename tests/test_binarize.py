@@ -143,3 +143,20 @@ def test_each_worker_encodes_with_one_thread_so_a_job_uses_the_cores_it_asked_fo
     src_flat, src_len, tgt_flat, tgt_len = binarize._encode_chunk((["ab", "c"], ["d", "efg"]))
     assert calls == [1, 1]
     assert src_flat.tolist() == [2, 1] and tgt_len.tolist() == [1, 1] and tgt_flat.tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("long_pairs, kept", [(9, True), (10, False)])
+def test_a_training_split_that_keeps_under_a_tenth_of_its_pairs_is_refused_naming_why(prepared, tmp_path,
+                                                                                      long_pairs, kept):
+    """One short pair in 10 is kept (10%); one in 11 is not, and the message names the length filter."""
+    long_text = " ".join(["the big red dog sees the small cat in the old garden today"] * 3)
+    (tmp_path / "t.en").write_text("the dog .\n" + f"{long_text}\n" * long_pairs, encoding="utf-8")
+    (tmp_path / "t.de").write_text("der hund .\n" + f"{long_text}\n" * long_pairs, encoding="utf-8")
+    arguments = ("train", tmp_path / "t.en", tmp_path / "t.de", prepared / "bpe" / "spm.model", tmp_path / "bin")
+    if kept:
+        assert binarize_split(*arguments, max_tokens=20)["pairs_kept"] == 1
+        return
+    with pytest.raises(UserError, match=r"the train split keeps 1 of 11 pairs \(at least 10% must be kept\): 10 have "
+                                        r"a side of more than binarize.max_tokens = 20 .*max_tokens = \d+ would keep"):
+        binarize_split(*arguments, max_tokens=20)
+    assert not (tmp_path / "bin").exists()

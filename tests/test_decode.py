@@ -295,3 +295,42 @@ def test_translate_cli_reports_n_best_above_beam_with_exit_status_2(tmp_path, sp
     status, _, err = run_translate(monkeypatch, capsys, "the cat\n", argv)
     assert status == 2
     assert "n_best = 3 is more than beam_size = 2" in err
+
+
+# --- sources a model cannot read, and stdin that is not one sentence a line ------------------------
+
+def test_sources_longer_than_a_learned_table_are_refused_by_line_before_any_is_searched(spm_model):
+    processor = load_processor(spm_model)
+    pieces = processor.get_piece_size()
+    learned = tiny_model(seed=3, vocab_size=pieces, positional="learned", max_positions=8)
+    long_line = "a big red dog runs under the green table in the garden"  # more than 7 pieces
+    sentences = ["the cat", long_line, "", long_line + " today"]
+    with pytest.raises(UserError, match=r"dev.en: 2 sentences longer .*max_positions = 8.* lines 2 \(\d+ tokens\), "
+                                        r"4 \(\d+ tokens\)"):
+        translate_text(learned, processor, sentences, SearchConfig(beam_size=2, max_len_b=3), progress=False,
+                       source="dev.en")
+    fits = translate_text(learned, processor, ["the cat", "", "we see"], SearchConfig(beam_size=2, max_len_b=3),
+                          progress=False)
+    assert len(fits) == 3
+
+
+def test_sinusoidal_positions_translate_a_source_of_any_length(spm_model):
+    processor = load_processor(spm_model)
+    model = tiny_model(seed=3, vocab_size=processor.get_piece_size(), positional="sinusoidal", max_positions=8)
+    long_line = "a big red dog runs under the green table in the garden"
+    assert len(translate_text(model, processor, [long_line], SearchConfig(beam_size=2, max_len_b=2),
+                              progress=False)) == 1
+
+
+@pytest.mark.parametrize("stdin, message", [
+    (b"the cat\rwe see\r", "carriage return alone"),
+    (b"the cat\nwe\x00see\n", "stdin, line 2: a NUL byte"),
+])
+def test_stdin_that_is_not_one_sentence_a_line_is_refused(stdin, message):
+    with pytest.raises(UserError, match=message):
+        translate.read_source(io.BytesIO(stdin))
+
+
+def test_stdin_with_windows_line_ends_or_a_last_carriage_return_is_read_as_lines():
+    assert translate.read_source(io.BytesIO(b"the cat\r\nwe see\r\n")) == ["the cat", "we see"]
+    assert translate.read_source(io.BytesIO(b"the cat\r")) == ["the cat"]

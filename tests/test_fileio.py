@@ -192,3 +192,56 @@ def test_an_output_checked_before_the_work_makes_no_folder_until_it_is_written(t
         prepare_output(tmp_path / "file" / "out.txt", create=False)
     write_text_atomic(target, "x")
     assert target.read_text() == "x"
+
+
+READERS = [read_lines, lambda path: list(iter_lines(path)), count_lines]
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("content, line", [
+    (b"eins\nzwei\x00drei\nvier\n", 2),  # a stray NUL near the start: not UTF-16, and named by its line
+    (b"".join(b"zeile %d\n" % i for i in range(40000)) + b"x\x00\n", 40001),  # past the first block
+])
+def test_every_reader_names_the_line_of_a_nul_byte(tmp_path, reader, content, line):
+    (tmp_path / "f.txt").write_bytes(content)
+    with pytest.raises(UserError, match=rf"f.txt, line {line}: a NUL byte"):
+        reader(tmp_path / "f.txt")
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_loop_of_symbolic_links_is_named_as_a_loop_not_as_a_missing_file(tmp_path, reader):
+    (tmp_path / "a.txt").symlink_to(tmp_path / "b.txt")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "a.txt")
+    with pytest.raises(UserError, match=r"a loop of symbolic links \(.*a.txt -> .*b.txt -> .*a.txt\)"):
+        reader(tmp_path / "a.txt")
+
+
+def test_a_link_to_nothing_names_its_target(tmp_path):
+    (tmp_path / "a.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(UserError, match="a symbolic link to .*gone.txt, which does not exist"):
+        read_lines(tmp_path / "a.txt")
+
+
+@pytest.mark.parametrize("name, packed, command", [
+    ("train.txt", gzip.compress(b"x\n"), None),
+    ("train.en.xz", b"\xfd7zXZ\x00rest", "xz -dc {d}/train.en.xz > {d}/train.en"),
+    ("train.txt", b"\xfd7zXZ\x00rest", "xz -dc {d}/train.txt > {d}/train.plain.txt"),
+    ("train.txt", b"\x28\xb5\x2f\xfdrest", "zstd -dc {d}/train.txt > {d}/train.plain.txt"),
+])
+def test_decompression_advice_works_on_a_name_without_the_compressors_suffix(tmp_path, name, packed, command):
+    """gunzip -k, xz -dk and zstd -d refuse a name without their suffix: the advice writes with -c to a new name."""
+    (tmp_path / name).write_bytes(packed)
+    if command is None:  # gzip is read through
+        assert read_lines(tmp_path / name) == ["x"]
+        return
+    with pytest.raises(UserError) as error:
+        read_lines(tmp_path / name)
+    assert command.format(d=tmp_path) in str(error.value)
+
+
+def test_a_failed_write_removes_the_folders_made_for_it_and_keeps_the_others(tmp_path):
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "kept" / "new" / "deeper" / "out.txt"):
+            raise RuntimeError("the stage failed")
+    assert [path.name for path in tmp_path.iterdir()] == ["kept"] and not any((tmp_path / "kept").iterdir())

@@ -466,3 +466,29 @@ def test_training_on_the_cpu_uses_the_bf16_attention(prepared, tmp_path):
     model = Trainer(job(prepared, tmp_path / "run")).model
     assert not any(type(module) is MultiHeadAttention for module in model.modules())
     assert sum(isinstance(module, BF16CPUAttention) for module in model.modules()) == 3 * model.config.n_layers
+
+
+def test_dev_pairs_longer_than_a_learned_table_are_left_out_of_the_dev_loss_and_counted(prepared, tmp_path, capsys):
+    """Evaluation splits keep every pair; one longer than a learned positional table used to end the run at its
+    first dev evaluation. Now it is left out of the dev loss, warned about once and counted in final.json."""
+    import dataclasses
+
+    from aiayn.binarize import binarize_split, load_split
+
+    train_split = load_split(prepared / "bin" / "train")
+    table = int(max(train_split.src_lengths.max(), train_split.tgt_lengths.max())) + 1  # every training pair fits
+    src = (prepared / "data" / "dev.en").read_text(encoding="utf-8").splitlines()
+    tgt = (prepared / "data" / "dev.de").read_text(encoding="utf-8").splitlines()
+    src[4], tgt[9] = " ".join(src[:12]), " ".join(tgt[:12])  # two pairs made longer than any training pair
+    (tmp_path / "dev.en").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (tmp_path / "dev.de").write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    binarize_split("dev", tmp_path / "dev.en", tmp_path / "dev.de", prepared / "bpe" / "spm.model", tmp_path / "dev",
+                   workers=1)
+    dev = load_split(tmp_path / "dev")
+    assert max(dev.src_lengths[4], dev.tgt_lengths[9]) + 1 > table
+    learned = job(prepared, tmp_path / "run", positional="learned", max_positions=table)
+    summary = train(dataclasses.replace(learned, dev_data=tmp_path / "dev"))
+    assert summary["dev_pairs_skipped"] == 2 and math.isfinite(summary["dev_loss"])
+    assert [entry["step"] for entry in summary["dev_history"]] == [3, 6]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "2 of the 60 dev pairs" in warnings[0] and "lines 5, 10 of" in warnings[0]

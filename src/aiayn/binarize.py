@@ -29,6 +29,11 @@ from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs
 
 CHUNK_PAIRS = 20_000
+# A training split that keeps less than this share of its pairs is refused: a max_tokens or a vocabulary
+# that leaves a tenth of the data is never what a run meant (the paper's setting drops well under 1%
+# of WMT), and training on the rest would look like a weak model, not like a wrong setting.
+MIN_KEPT_SHARE = 0.1
+_LENGTH_BINS = 4096  # longer sides are counted in the last bin (for the advice on max_tokens)
 _processor = None  # one SentencePiece processor per worker process
 
 
@@ -178,6 +183,7 @@ def binarize_split(
                         "give a new folder for --out-dir (it is replaced as a whole)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
+    longer_sides = np.zeros(_LENGTH_BINS + 1, dtype=np.int64)  # pairs by their longer side's tokens
     with atomic_path(out_dir, directory=True) as tmp:
         tmp.mkdir()
         with contextlib.ExitStack() as stack:
@@ -202,8 +208,13 @@ def binarize_split(
                 counts["pairs_in"] += len(keep)
                 counts["dropped_too_long"] += int(too_long.sum())
                 counts["dropped_empty"] += int(empty.sum())
+                longer_sides += np.bincount(np.minimum(np.maximum(src_len, tgt_len), _LENGTH_BINS),
+                                            minlength=_LENGTH_BINS + 1)
         if counts["pairs_in"] != pairs:  # a file that changed while it was read
             raise UserError(f"{src_path}: {pairs} lines counted but {counts['pairs_in']} read; was it being written?")
+        kept = counts["pairs_in"] - counts["dropped_too_long"] - counts["dropped_empty"]
+        if max_tokens is not None and kept < MIN_KEPT_SHARE * counts["pairs_in"]:
+            raise _too_few_kept(split, src_path, tgt_path, counts, kept, max_tokens, longer_sides)
         meta = {
             "split": split,
             "pairs_in": counts["pairs_in"],
@@ -222,6 +233,27 @@ def binarize_split(
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
+
+
+def _too_few_kept(split: str, src_path, tgt_path, counts: dict, kept: int, max_tokens: int,
+                  longer_sides: np.ndarray) -> UserError:
+    """The refusal of a split that keeps under MIN_KEPT_SHARE of its pairs, naming why the rest went."""
+    share = f"{kept} of {counts['pairs_in']} pairs" if kept else f"none of its {counts['pairs_in']} pairs"
+    causes = []
+    if counts["dropped_too_long"]:
+        # the max_tokens that would keep nine pairs in ten of those with text on both sides
+        cumulative = np.cumsum(longer_sides[1:])
+        wanted = int(np.searchsorted(cumulative, 0.9 * cumulative[-1])) + 1 if cumulative[-1] else 0
+        causes.append(f"{counts['dropped_too_long']} have a side of more than binarize.max_tokens = {max_tokens} "
+                      f"BPE tokens (max_tokens = {wanted}{'+' if wanted > _LENGTH_BINS else ''} would keep 90% "
+                      "of them: raise it, or check that the text has one sentence a line)")
+    if counts["dropped_empty"]:
+        causes.append(f"{counts['dropped_empty']} have an empty side (check that {tgt_path} is the translation "
+                      f"of {src_path}, line for line)")
+    return UserError(
+        f"{src_path}, {tgt_path}: the {split} split keeps {share} (at least {MIN_KEPT_SHARE:.0%} must be kept): "
+        f"{'; '.join(causes)}"
+    )
 
 
 @dataclass

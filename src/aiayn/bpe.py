@@ -15,8 +15,8 @@ from typing import Iterator
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (
-    GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, write_json_atomic,
-    refuse_overwriting_inputs,
+    GZIP_MAGIC, atomic_path, count_lines, decompressed_name, fingerprint_files, input_exists,
+    iter_lines, open_input, prepare_output, refuse_overwriting_inputs, write_json_atomic,
 )
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -117,23 +117,30 @@ def learn_bpe(
 
 def check_training_text(train_files: list[str | Path]) -> int:
     """Every file UTF-8 text with at least one line, checked whole before SentencePiece reads it: it
-    fails on a directory or an empty file with a traceback, and takes bytes that are not UTF-8 silently.
-    Returns the number of lines in all."""
+    fails on a directory, an empty file or one of blank lines with a traceback, and takes bytes that are
+    not UTF-8 silently. Returns the number of lines in all."""
     lines = 0
     for path in train_files:
-        if not Path(path).exists():
+        if not input_exists(path):
             raise UserError(f"{path}: training text not found (run the download stage first)")
-        with open(check_input_path(path), "rb") as handle:
+        with open_input(path) as handle:  # and a directory, a file this user may not read, ...
             if handle.read(2) == GZIP_MAGIC:  # SentencePiece reads plain files only
-                raise UserError(f"{path}: gzip-compressed; the bpe stage reads plain text: gunzip -k {path}")
+                raise UserError(f"{path}: gzip-compressed; the bpe stage reads plain text: "
+                                f"gunzip -c {path} > {decompressed_name(Path(path), '.gz')}")
         count = count_lines(path)  # and every check of aiayn.fileio: encodings, line endings
         lines += count
-        if not count:
+        if not count or not _has_text(path):
+            what = "is empty" if not count else f"holds {count} lines, every one of them blank"
             raise UserError(
-                f"{path} is empty: there is no text to learn a vocabulary from (a shared vocabulary needs both "
+                f"{path} {what}: there is no text to learn a vocabulary from (a shared vocabulary needs both "
                 "sides of the training data; check the download stage's output and its log)"
             )
     return lines
+
+
+def _has_text(path: str | Path) -> bool:
+    """Whether any line of ``path`` holds more than whitespace (SentencePiece fails on text of blanks alone)."""
+    return any(line.strip() for line in iter_lines(path))
 
 
 def training_lines(train_files: list[str | Path], progress) -> Iterator[bytes]:
@@ -175,10 +182,14 @@ def load_processor(model_path: str | Path):
     if model_path.is_dir():
         hint = f" (did you mean {model_path / 'spm.model'}?)" if (model_path / "spm.model").is_file() else ""
         raise UserError(f"{model_path} is a directory, but a SentencePiece model file is expected{hint}")
-    if not model_path.exists():
+    if not input_exists(model_path):
         raise UserError(f"{model_path}: SentencePiece model not found (run the bpe stage first)")
+    with open_input(model_path) as handle:  # read here, so that a file this user may not read is named so
+        proto = handle.read()
     try:
-        return spm.SentencePieceProcessor(model_file=str(model_path))
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(proto)
+        return processor
     except (RuntimeError, OSError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         hint = " (that is the vocabulary listing; give spm.model beside it)" if model_path.suffix == ".vocab" else ""

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from aiayn.errors import UserError
-from aiayn.fileio import atomic_path
+from aiayn.fileio import atomic_path, input_exists, open_input
 from aiayn.model import ModelConfig, Transformer
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint-v1"
@@ -34,8 +34,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if path.is_dir():
         raise UserError(f"{path} is a directory, but a checkpoint or model file is expected (for the last K "
                         f"checkpoints of a run use --last K --checkpoint-dir {path})")
-    if not path.is_file():
+    if not input_exists(path) or not path.is_file():
         raise UserError(f"{path}: no such checkpoint file (check the path or the checkpoint directory)")
+    open_input(path).close()  # a file this user may not read is named so, not called corrupt
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
@@ -69,6 +70,8 @@ def load_model(
     With `spm_model`, a model trained with another vocabulary is refused: decoded or drawn with the
     wrong one, it gives fluent-looking nonsense.
     """
+    if Path(path).is_dir():
+        raise UserError(f"{path} is a directory, but a checkpoint or model file is expected{_model_files_in(path)}")
     checkpoint = load_checkpoint(path)
     config = ModelConfig.from_dict(checkpoint["model_config"])
     if spm_model is not None:
@@ -84,6 +87,20 @@ def load_model(
             "another version of aiayn or is damaged"
         ) from None
     return model.to(device).eval()
+
+
+def _model_files_in(folder: str | os.PathLike) -> str:
+    """What to give instead of ``folder``: the model files in it (an average's model.pt, a run's final.pt
+    and its last checkpoint), or where those are written."""
+    folder = Path(folder)
+    found = [folder / name for name in ("model.pt", "final.pt") if (folder / name).is_file()]
+    for checkpoints in (folder, folder / "checkpoints"):
+        found += [path for _, path in list_checkpoints(checkpoints)[-1:]]
+    found = found or sorted(folder.glob("*.pt"))[:3]
+    if found:
+        return f" (one file: did you mean {' or '.join(str(path) for path in found)}?)"
+    return (" (one file: an averaged results/average/<model>/model.pt, a run's final.pt, or a checkpoint "
+            "checkpoints/step_*.pt)")
 
 
 def _check_vocabulary(path: str | os.PathLike, checkpoint: dict, config: ModelConfig,

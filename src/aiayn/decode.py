@@ -43,12 +43,14 @@ def translate(
     device: torch.device | str = "cpu",
     progress: bool = True,
     workers: int = 1,
+    source: str = "the input",
 ) -> list[list[Hypothesis]]:
     """Beam-search each sentence; its config.n_best hypotheses, best first, in input order
     (``hypothesis_text`` turns one into text).
 
     A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
-    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches.
+    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches. Sentences longer than a
+    learned positional table are refused before any is searched, by line of ``source`` (``check_lengths``).
     """
     from tqdm import tqdm
 
@@ -60,6 +62,7 @@ def translate(
         return results
     # Source sequences are BPE ids then EOS, no BOS (the binarize stage's convention).
     encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
+    check_lengths(model, [len(ids) for ids in encoded], to_decode, source)
     batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
     padded = [_pad([encoded[i] for i in batch], device) for batch in batches]
     with tqdm(total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr) as bar:
@@ -68,6 +71,29 @@ def translate(
         for position, sentence_hypotheses in zip(batch, hypotheses):
             results[to_decode[position]] = sentence_hypotheses
     return results
+
+
+def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[int], source: str) -> None:
+    """Refuse sources longer than the model's learned positional table (Table 3 row E), naming their lines
+    (0-based ``lines``, named from 1), before anything is searched: the search would fail at the first
+    batch that holds one, after the batches before it, and writing the others alone would break the one
+    line per input line that scoring needs. fairseq-generate refuses them too, unless told to skip them.
+    Sinusoids (Section 3.5) extend to any length, so those models take any sentence."""
+    config = getattr(model, "config", None)
+    if getattr(config, "positional", None) != "learned":
+        return
+    limit = config.max_positions  # a source is its tokens and EOS, at positions 0 .. length - 1
+    too_long = [(line + 1, length) for line, length in zip(lines, lengths) if length > limit]
+    if not too_long:
+        return
+    shown = ", ".join(f"{line} ({length - 1} tokens)" for line, length in too_long[:5])
+    more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+    raise UserError(
+        f"{source}: {len(too_long)} sentence{'s' if len(too_long) > 1 else ''} longer than the model's learned "
+        f"positional table (max_positions = {limit}: at most {limit - 1} BPE tokens and the end-of-sentence), "
+        f"line{'s' if len(too_long) > 1 else ''} {shown}{more}; nothing was translated: split or shorten those "
+        "lines (the model cannot read past its table; a model with positional = sinusoidal has no such limit)"
+    )
 
 
 def hypothesis_text(processor: Any, hypothesis: Hypothesis) -> str:
@@ -243,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     workers = search_workers(settings.workers, device)
 
     start = time.perf_counter()
-    hypotheses = translate(model, processor, sentences, config, tokens_per_batch, device, workers=workers)
+    hypotheses = translate(model, processor, sentences, config, tokens_per_batch, device, workers=workers,
+                           source=args.input)
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())

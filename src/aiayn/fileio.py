@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import gzip
 import hashlib
 import itertools
@@ -33,8 +34,8 @@ _NOT_TEXT = (
      "re-encode it as UTF-8: iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8"),
     (b"\xfe\xff", "UTF-16 text (its first bytes are the byte-order mark FE FF)",
      "re-encode it as UTF-8: iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8"),
-    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dk {path}"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -d {path}"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {path} > {xz}"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {path} > {zst}"),
     (b"PK\x03\x04", "a zip archive", "unpack it first: unzip {path}"),
     (b"PAR1", "a Parquet file", "give Parquet files as data.local.<split>.parquet, not as src/tgt text"),
 )
@@ -42,27 +43,87 @@ _NOT_TEXT = (
 
 # --- reading ---------------------------------------------------------------------------------
 
+def input_exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` exists; a UserError for what "no such file" would misname.
+
+    A loop of symbolic links, a link to nothing, and a folder on the way that may not be searched
+    all look missing to ``Path.exists``; each is named here with what to do about it.
+    """
+    path = Path(path)
+    try:
+        os.stat(path)
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        if path.is_symlink():
+            raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; "
+                            f"point the link at the file (ls -l {path} shows it)") from None
+        return False
+    except PermissionError:
+        raise UserError(f"{path}: permission denied on the way to it (a folder on its path may not be "
+                        f"searched by this user; ls -ld on each folder of {path} shows which)") from None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UserError(f"{path}: a loop of symbolic links ({_link_chain(path)}), so it names no file; "
+                            "point the link at the file itself") from None
+        raise UserError(f"{path}: cannot be read ({error.strerror})") from None
+
+
+def _link_chain(path: Path, shown: int = 4) -> str:
+    """``a -> b -> a``: the links followed from ``path`` until one repeats (or ``shown`` of them)."""
+    chain, seen = [str(path)], set()
+    while path.is_symlink() and path not in seen and len(chain) <= shown:
+        seen.add(path)
+        path = path.parent / os.readlink(path)
+        chain.append(str(path))
+    return " -> ".join(chain) if len(chain) > 1 else f"a folder on the way to {path} is one"
+
+
 def check_input_path(path: str | os.PathLike) -> Path:
     """``path`` as a Path if it names an existing file, else a UserError that says what it is instead."""
     path = Path(path)
+    if not input_exists(path):
+        raise UserError(f"{path}: no such file (check the path in your config or on the command line)")
     if path.is_dir():
         inside = sorted(itertools.islice((entry.name for entry in path.iterdir() if not entry.name.startswith(".")),
                                          100))[:4]
         holds = f" (it holds {', '.join(inside)}{', ...' if len(inside) == 4 else ''})" if inside else " (empty)"
         raise UserError(f"{path} is a directory{holds}, but a file is expected here; give the file itself")
-    if not path.exists():
-        raise UserError(f"{path}: no such file (check the path in your config or on the command line)")
     return path
+
+
+def open_input(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for reading in binary, after ``check_input_path``; a file this user may not read is
+    a UserError that says so (not that the file is damaged: its bytes were never seen)."""
+    path = check_input_path(path)
+    try:
+        return open(path, "rb")
+    except PermissionError:
+        raise UserError(f"{path}: cannot be read, permission denied (the file itself may be fine); make it "
+                        f"readable for this user (ls -l {path} shows its owner and mode; e.g. chmod a+r {path})"
+                        ) from None
+    except OSError as error:
+        raise UserError(f"{path}: cannot be read ({error.strerror or error})") from None
+
+
+def decompressed_name(path: Path, suffix: str) -> str:
+    """Where a decompression command should write ``path``'s text: its name without ``suffix`` if it has
+    it, else a ``.plain`` name beside it (a name without the suffix makes gunzip -k, xz -dk, ... refuse)."""
+    if path.name.endswith(suffix) and len(path.name) > len(suffix):
+        return str(path.with_name(path.name[:-len(suffix)]))
+    return str(path.with_name(f"{path.stem}.plain{path.suffix}"))
 
 
 def _not_text(path: Path, head: bytes, tail: bytes) -> str | None:
     """Why a file whose first bytes are ``head`` (last bytes ``tail``) is not UTF-8 text, or None."""
     if head.startswith(b"BZh") and head[4:10] == b"1AY&SY":
-        return f"{path}: bzip2-compressed, not UTF-8 text; decompress it first: bunzip2 -k {path}"
+        return (f"{path}: bzip2-compressed, not UTF-8 text; decompress it first: "
+                f"bunzip2 -c {path} > {decompressed_name(path, '.bz2')}")
     for magic, what, fix in _NOT_TEXT:
         if head.startswith(magic) and (magic != b"PAR1" or tail == b"PAR1"):
-            return f"{path}: {what}, not UTF-8 text; {fix.format(path=path)}"
-    if b"\x00" in head:
+            fix = fix.format(path=path, xz=decompressed_name(path, ".xz"), zst=decompressed_name(path, ".zst"))
+            return f"{path}: {what}, not UTF-8 text; {fix}"
+    # ASCII as UTF-16 is every other byte NUL; a stray NUL is not that, and the readers name its line (_nul_byte)
+    if b"\x00" in head and head.count(b"\x00") * 4 >= len(head):
         return (f"{path}: contains NUL bytes, so it is not UTF-8 text (UTF-16 without a byte-order mark, or not "
                 f"text at all); re-encode text as UTF-8 (iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8)")
     return None
@@ -76,12 +137,8 @@ def open_text_bytes(path: str | os.PathLike) -> Iterator[BinaryIO]:
     other compressed or binary formats (by their magic bytes) are UserErrors that say what the
     file is and how to make it UTF-8 text.
     """
-    path = check_input_path(path)
-    try:
-        raw = open(path, "rb")
-    except PermissionError:
-        raise UserError(f"{path}: permission denied (make it readable: chmod u+r {path})") from None
-    with raw:
+    path = Path(path)
+    with open_input(path) as raw:
         handle: BinaryIO = raw
         if raw.read(2) == GZIP_MAGIC:
             raw.seek(0)
@@ -115,6 +172,13 @@ def _not_utf8(path: Path, line_number: int, bad: bytes) -> UserError:
     )
 
 
+def _nul_byte(path: Path, line_number: int) -> UserError:
+    return UserError(
+        f"{path}, line {line_number}: a NUL byte (\\x00), which text never holds (binary data, or a damaged or "
+        f"padded file); remove NUL bytes (tr -d '\\000' < {path} > {path}.clean) or fix what wrote the file"
+    )
+
+
 def _cr_only(path: Path, carriage_returns: int) -> UserError:
     return UserError(
         f"{path}: its lines end in a carriage return alone (old Mac line endings: {carriage_returns} CR, no LF), "
@@ -137,8 +201,8 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     that ``str.splitlines`` would split on, so we never use it. A trailing
     newline does not make an extra empty line; a leading byte-order mark is
     dropped; a gzip file is read through. Bytes that are not UTF-8 raise a
-    UserError naming file and line; so do CR-only line endings and files that
-    are not text (``open_text_bytes``).
+    UserError naming file and line, and so do NUL bytes; so do CR-only line
+    endings and files that are not text (``open_text_bytes``).
     """
     path = Path(path)
     with open_text_bytes(path) as handle:
@@ -147,6 +211,8 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise _not_utf8(path, raw.count(b"\n", 0, error.start) + 1, raw[error.start:error.start + 4]) from None
+    if (nul := raw.find(b"\x00")) >= 0:
+        raise _nul_byte(path, raw.count(b"\n", 0, nul) + 1)
     if text.startswith("\ufeff"):
         text = text[1:]
     if "\n" not in text:
@@ -178,6 +244,8 @@ def iter_lines(path: str | os.PathLike) -> Iterator[str]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
                 raise _not_utf8(path, number, raw[error.start:error.start + 4]) from None
+            if "\x00" in line:
+                raise _nul_byte(path, number)
             if line.endswith("\n"):
                 line = line[:-1]
             yield line[:-1] if line.endswith("\r") else line
@@ -205,6 +273,8 @@ def count_lines(path: str | os.PathLike) -> int:
                 else:
                     raise _not_utf8(path, newlines + data.count(b"\n", 0, error.start) + 1,
                                     data[error.start:error.start + 4]) from None
+            if (nul := block.find(b"\x00")) >= 0:
+                raise _nul_byte(path, newlines + block.count(b"\n", 0, nul) + 1)
             newlines += block.count(b"\n")
             carriage_returns += block.count(b"\r")
             size += len(block)

@@ -317,16 +317,28 @@ class StepSource:
         return micro, StepShape.of(self.src_lengths, self.tgt_lengths, micro)
 
 
+def dev_rows(split, config: ModelConfig) -> np.ndarray:
+    """The pairs of an evaluation split the model can read: all, except with a learned positional table
+    (Table 3 row E) those longer than it (source + EOS or BOS + target), which are left out of the dev
+    loss (and counted), where they would end the run at its first dev evaluation."""
+    rows = np.arange(len(split))
+    if config.positional != "learned":
+        return rows
+    return rows[np.maximum(split.src_lengths, split.tgt_lengths) + 1 <= config.max_positions]
+
+
 def evaluate(model: Transformer, split, device: torch.device, precision: str, max_tokens: int,
-             epsilon: float) -> dict[str, float]:
-    """Dev loss (label-smoothed), NLL and per-token perplexity (Table 3's PPL) over a whole split."""
+             epsilon: float, rows: np.ndarray | None = None) -> dict[str, float]:
+    """Dev loss (label-smoothed), NLL and per-token perplexity (Table 3's PPL) over a whole split
+    (or its ``rows``: ``dev_rows``)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll: read once, at the end
     tokens = 0
+    rows = np.arange(len(split)) if rows is None else rows
     with torch.inference_mode():
-        for rows in length_batches(split.src_lengths, split.tgt_lengths, max_tokens):
-            batch = collate(split, rows).to(device)
+        for batch_rows in length_batches(split.src_lengths[rows], split.tgt_lengths[rows], max_tokens):
+            batch = collate(split, rows[batch_rows]).to(device)
             with autocast_context(device, precision):
                 sums += torch.stack(teacher_forced_loss(model, batch.src, batch.tgt_in, batch.tgt_out, epsilon,
                                                         tgt_real=batch.tgt_real)).double()
@@ -421,6 +433,7 @@ class Trainer:
         self.data_fingerprint = self.train_split.meta["data_fingerprint"]
         self.checkpoint_dir = job.run_dir / "checkpoints"
         self.model_config = self._model_config()
+        self.dev_rows = self._dev_rows() if self.dev_split is not None else None
         torch.manual_seed(self.settings.seed)
         self.model = model_for_training(self.model_config, self.device)
         self.optimizer = adam(self.model.parameters(), self.device, lr=0.0, betas=self.settings.adam_betas,
@@ -437,6 +450,24 @@ class Trainer:
         self.tracker = self._start_tracking() if self.dist.is_main else None
 
     # --- set-up ---------------------------------------------------------------------------
+
+    def _dev_rows(self) -> np.ndarray:
+        """``dev_rows``, warned about (rank 0) where pairs are left out; none left is refused now."""
+        rows, split = dev_rows(self.dev_split, self.model_config), self.dev_split
+        if len(rows) < len(split):
+            left_out = np.setdiff1d(np.arange(len(split)), rows)
+            lines = ", ".join(str(int(split.lines[row]) + 1) for row in left_out[:5])
+            more = ", ..." if len(left_out) > 5 else ""
+            where = (f"{len(left_out)} of the {len(split)} dev pairs of {self.job.dev_data} (lines {lines}{more} of "
+                     f"{split.meta.get('src_file', 'its text')}) are longer than the learned positional table "
+                     f"(max_positions = {self.model_config.max_positions})")
+            if not len(rows):
+                raise UserError(f"{where}: all of them, so there is no dev loss to compute; raise max_positions "
+                                "or give shorter dev text")
+            if self.dist.is_main:
+                print(f"warning: {where}; they are left out of the dev loss (counted in final.json as "
+                      "dev_pairs_skipped); raise max_positions to include them", file=sys.stderr)
+        return rows
 
     def _model_config(self) -> ModelConfig:
         from aiayn.config import model_fields
@@ -596,7 +627,7 @@ class Trainer:
 
     def evaluate_dev(self, step: int) -> None:
         dev = evaluate(self.model, self.dev_split, self.device, self.settings.precision, self.settings.device_tokens,
-                       self.settings.label_smoothing)
+                       self.settings.label_smoothing, self.dev_rows)
         self.progress.dev_history.append({"step": step, **dev})
         self.tracker.log_metrics(dev, step)
 
@@ -708,7 +739,7 @@ class Trainer:
         final_dev = {}
         if self.dev_split is not None:
             final_dev = evaluate(self.model, self.dev_split, self.device, settings.precision, settings.device_tokens,
-                                 settings.label_smoothing)
+                                 settings.label_smoothing, self.dev_rows)
             if not progress.dev_history or progress.dev_history[-1]["step"] != progress.step:
                 progress.dev_history.append({"step": progress.step, **final_dev})
                 self.tracker.log_metrics(final_dev, progress.step)
@@ -730,6 +761,8 @@ class Trainer:
             **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
             "data_fingerprint": self.data_fingerprint,
         }
+        if self.dev_split is not None:
+            summary["dev_pairs_skipped"] = len(self.dev_split) - len(self.dev_rows)
         self.tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"],
                                   **progress.per_step()}, progress.step)
         write_json_atomic(job.run_dir / "final.json", summary)

@@ -23,13 +23,26 @@ from aiayn.search import SearchConfig
 
 
 def read_source(stream) -> list[str]:
-    """Lines of a binary stream, split on "\\n" only (as aiayn.fileio.read_lines splits files)."""
+    """Lines of a binary stream, split on "\\n" only (as aiayn.fileio.read_lines splits files).
+
+    As for files, carriage returns alone as line ends (old Mac text) are refused: split on "\\n" the whole
+    input would be one sentence, its translation one line for many; so are NUL bytes.
+    """
     raw = stream.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line_number = raw.count(b"\n", 0, error.start) + 1
         raise UserError(f"stdin, line {line_number}: bytes that are not UTF-8; re-encode the input as UTF-8") from None
+    if (nul := raw.find(b"\x00")) >= 0:
+        line_number = raw.count(b"\n", 0, nul) + 1
+        raise UserError(f"stdin, line {line_number}: a NUL byte, which text never holds; give text (tr -d '\\000' "
+                        "removes NUL bytes)")
+    if "\n" not in text and "\r" in text.removesuffix("\r"):
+        returns = text.count("\r")
+        raise UserError(f"stdin: its lines end in a carriage return alone (old Mac line endings: {returns} "
+                        "CR, no LF), so all of it would be translated as one sentence; convert them to newlines: "
+                        "tr '\\r' '\\n' < FILE | aiayn translate ...")
     text = text.removeprefix("\ufeff")
     if text.endswith("\n"):
         text = text[:-1]
@@ -80,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
     hypotheses = translate(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
-                           workers=args.workers)
+                           workers=args.workers, source="stdin")
     results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
                for sentence in hypotheses]
     write_translations(results, config.n_best, sys.stdout)
