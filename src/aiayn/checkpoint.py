@@ -8,7 +8,7 @@ only so that a killed job can resume, and never enter an average. A model
 file (``aiayn-model-v1``: written by averaging and at the end of training) holds only what
 decoding needs. Both contain tensors and plain values alone, so they load with
 ``torch.load(weights_only=True)``: no pickled code runs when a file is opened. ``load_model`` is
-the one way the stages load a trained model from either, onto the device ``choose_device`` picks.
+the one way the stages load a trained model from either.
 """
 
 from __future__ import annotations
@@ -99,22 +99,6 @@ def _check_vocabulary(path: str | os.PathLike, checkpoint: dict, config: ModelCo
     if checkpoint["vocab_fingerprint"] != vocab_fingerprint(spm_model):
         raise UserError(f"{path} was trained with another vocabulary than {spm_model}; "
                         "use the SentencePiece model of the model's own run")
-
-
-def choose_device(requested: str = "auto", gpus: int = 1, local_rank: int = 0) -> torch.device:
-    """``auto``: a GPU when torch sees one and the job asks for GPUs (``gpus`` > 0), else the CPU.
-
-    ``cuda`` where torch sees no GPU is a user error. Processes that outnumber the GPUs share them
-    (local rank modulo the GPU count).
-    """
-    if requested == "cpu" or (requested == "auto" and (gpus == 0 or not torch.cuda.is_available())):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError(f"device {requested} (--device or train.device), but torch sees no CUDA device here; "
-                        "use auto or cpu, or run the job where a GPU is visible")
-    index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def save_model(obj: dict, path: str | os.PathLike) -> None:

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from aiayn.batching import length_sorted_batches
 from aiayn.bpe import EOS_ID, PAD_ID
-from aiayn.checkpoint import choose_device, load_model
+from aiayn.checkpoint import load_model
+from aiayn.device import choose_device
 from aiayn.errors import UserError, cli
 from aiayn.incremental import InferenceModel, ScratchBuffers
 from aiayn.search import Hypothesis, SearchConfig, SearchModel, beam_search
