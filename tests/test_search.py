@@ -11,7 +11,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn import search
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
 from aiayn.incremental import InferenceModel
 from aiayn.model import ModelConfig, Transformer
@@ -26,6 +25,7 @@ from aiayn.search import (
     surviving_order,
     top_k,
 )
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from aiayn.bpe import EOS_ID, UNK_ID
 from aiayn.checkpoint import load_model
 from aiayn.errors import UserError
+from aiayn.tokens import EOS_ID, UNK_ID
 
 LONG_DISTANCE = ("It is in this spirit that a majority of American governments have passed new laws since 2009 "
                  "making the registration or voting process more difficult.")

@@ -1,7 +1,7 @@
 """The bpe stage: one SentencePiece BPE vocabulary shared by source and target (paper: about 37000).
 
 Learned on a shuffled sample of both sides of the training data, with fixed ids for the
-special symbols so that every later stage can rely on them: pad 0, unk 1, bos 2, eos 3.
+special symbols so that every later stage can rely on them (``aiayn.tokens``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from aiayn.errors import UserError, cli
 from aiayn.fileio import (
     GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, write_json_atomic,
 )
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 PROGRESS_EVERY = 65536  # lines between updates of the progress bar
 
 

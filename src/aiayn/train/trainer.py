@@ -23,7 +23,6 @@ import torch
 
 from aiayn.batching import StepShape, collate, padded_to_multiple
 from aiayn.binarize import load_split
-from aiayn.bpe import PAD_ID
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, is_window_step, list_checkpoints,
                               load_checkpoint, save_model)
@@ -32,6 +31,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
+from aiayn.tokens import PAD_ID
 from aiayn.train.hardware import (COMPILE_MULTIPLE, Distributed, adam, autocast_context, compiled,
                                   load_optimizer_state, model_for_training, peak_flops, resolved_precision)
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
