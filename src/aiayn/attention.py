@@ -23,6 +23,7 @@ from torch import Tensor
 
 from aiayn.checkpoint import load_model
 from aiayn.errors import UserError
+from aiayn.layout import ATTENTION_ANAPHORA_FIGURE, ATTENTION_LONG_DISTANCE_FIGURE
 from aiayn.tokens import EOS_ID, UNK_ID
 
 LONG_DISTANCE = ("It is in this spirit that a majority of American governments have passed new laws since 2009 "
@@ -159,7 +160,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     weights = weights_of(long_distance)
     making = long_distance.positions("making")
     long_path = plots.plot_attention(
-        weights.numpy(), long_distance.pieces, out_dir / "attention_long_distance.png",
+        weights.numpy(), long_distance.pieces, out_dir / ATTENTION_LONG_DISTANCE_FIGURE,
         title=f"Long-distance dependencies: every head of {layer_text}{unknown_note(long_distance)}\n"
               f"(the paper: heads attend from \"making\" to \"more difficult\"; its row is outlined)",
         panel_titles=[f"head {head + 1}" for head in range(weights.shape[0])], highlight_rows=making)
@@ -168,7 +169,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     weights = weights_of(anaphora)
     chosen = anaphora_heads(weights, anaphora, min(ANAPHORA_HEADS, weights.shape[0]))
     anaphora_path = plots.plot_attention(
-        weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / "attention_anaphora.png",
+        weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / ATTENTION_ANAPHORA_FIGURE,
         title=f"Anaphora resolution: the heads of {layer_text} that attend most from \"its\" to \"Law\" and "
               f"\"application\"{unknown_note(anaphora)}\n(the row of \"its\" is outlined)",
         panel_titles=[f"head {head + 1}: its \u2192 Law {law:.2f}, \u2192 application {app:.2f}"

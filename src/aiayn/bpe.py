@@ -17,6 +17,7 @@ from aiayn.errors import UserError, cli
 from aiayn.fileio import (
     GZIP_MAGIC, atomic_path, check_input_path, count_lines, fingerprint_files, prepare_output, write_json_atomic,
 )
+from aiayn.layout import BPE_INFO, SPM_MODEL, SPM_PREFIX, SPM_VOCAB
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 PROGRESS_EVERY = 65536  # lines between updates of the progress bar
@@ -48,7 +49,7 @@ def learn_bpe(
     created = not out_dir.exists()
     work.mkdir(parents=True)
     try:
-        prefix = str(work / "spm")
+        prefix = str(work / SPM_PREFIX)
         try:
             with tqdm(total=lines, desc="bpe: reading", unit=" lines", mininterval=2.0, disable=None) as progress:
                 spm.SentencePieceTrainer.train(
@@ -77,9 +78,9 @@ def learn_bpe(
                     "in your config or use more training data"
                 ) from None
             raise
-        for suffix in ("model", "vocab"):
-            with atomic_path(out_dir / f"spm.{suffix}") as tmp_path:
-                shutil.copyfile(f"{prefix}.{suffix}", tmp_path)
+        for name in (SPM_MODEL, SPM_VOCAB):
+            with atomic_path(out_dir / name) as tmp_path:
+                shutil.copyfile(work / name, tmp_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if created and not any(out_dir.iterdir()):  # a failed run leaves no output folder behind
@@ -92,11 +93,11 @@ def learn_bpe(
         "input_sentence_size": input_sentence_size,
         "character_coverage": character_coverage,
         "seed": seed,
-        "fingerprint": vocab_fingerprint(out_dir / "spm.model"),
+        "fingerprint": vocab_fingerprint(out_dir / SPM_MODEL),
         "data_fingerprint": fingerprint_files(*train_files),
         "train_files": [str(p) for p in train_files],
     }
-    write_json_atomic(out_dir / "bpe.json", info)
+    write_json_atomic(out_dir / BPE_INFO, info)
     return info
 
 
@@ -158,7 +159,7 @@ def load_processor(model_path: str | Path):
 
     model_path = Path(model_path)
     if model_path.is_dir():
-        hint = f" (did you mean {model_path / 'spm.model'}?)" if (model_path / "spm.model").is_file() else ""
+        hint = f" (did you mean {model_path / SPM_MODEL}?)" if (model_path / SPM_MODEL).is_file() else ""
         raise UserError(f"{model_path} is a directory, but a SentencePiece model file is expected{hint}")
     if not model_path.exists():
         raise UserError(f"{model_path}: SentencePiece model not found (run the bpe stage first)")

@@ -14,18 +14,17 @@ the one way the stages load a trained model from either.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
 
 from aiayn.errors import UserError
 from aiayn.fileio import atomic_path
+from aiayn.layout import CHECKPOINT_NAME, checkpoint_name
 from aiayn.model import ModelConfig, Transformer
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint-v1"
 MODEL_FORMAT = "aiayn-model-v1"
-_CHECKPOINT_NAME = re.compile(r"(step|safety)_(\d+)\.pt")
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -129,7 +128,7 @@ def last_checkpoints(checkpoint_dir: str | os.PathLike, k: int) -> list[Path]:
 
 
 def checkpoint_path(checkpoint_dir: str | os.PathLike, step: int, window: bool = True) -> Path:
-    return Path(checkpoint_dir) / f"{'step' if window else 'safety'}_{step:08d}.pt"
+    return Path(checkpoint_dir) / checkpoint_name(step, window)
 
 
 def window_steps(last_step: int, interval: int, count: int) -> list[int]:
@@ -151,7 +150,7 @@ def list_checkpoints(checkpoint_dir: str | os.PathLike, safety: bool = False) ->
         return []
     found = []
     for path in checkpoint_dir.glob("*.pt"):
-        match = _CHECKPOINT_NAME.fullmatch(path.name)
+        match = CHECKPOINT_NAME.fullmatch(path.name)
         if match and (safety or match.group(1) == "step"):
             found.append((int(match.group(2)), match.group(1) == "safety", path))
     return [(step, path) for step, _, path in sorted(found)]

@@ -5,8 +5,7 @@ rule average:
         model=f"{RESULTS}/average/{{model}}/seed{{seed}}/model.pt",
     params:
         last=lambda w: preset(w)["average_last"],
-        # the train stage writes its checkpoints beside final.json
-        checkpoint_dir=lambda w, input: Path(input[0]).parent / "checkpoints",
+        checkpoint_dir=lambda w: for_run(run_file(layout.CHECKPOINTS), w),
         tracking_uri=config["tracking_uri"],
     log:
         log_file("average", *RUN_LOG),

@@ -19,6 +19,7 @@ import torch
 from aiayn.config import check_resolved_preset, check_section
 from aiayn.errors import UserError, cli
 from aiayn.fileio import remove_stale_temporaries_in
+from aiayn.layout import CHECKPOINTS, RUN_LOCK
 from aiayn.host_memory import keep_freed_memory
 from aiayn.train.trainer import Preempted, TrainJob, check_layout, train
 
@@ -79,21 +80,21 @@ def hold_run_lock(run_dir: Path):
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file, but a run folder is expected; give another path")
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / ".lock", "a+", encoding="utf-8")
+    handle = open(run_dir / RUN_LOCK, "a+", encoding="utf-8")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "?"
         handle.close()
-        raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds {run_dir}/.lock); "
+        raise UserError(f"{run_dir} is being trained by another process (pid {holder}, which holds {run_dir / RUN_LOCK}); "
                         "wait for it to end or stop it (kill -TERM writes a checkpoint), then rerun") from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     # the folder is ours now: what a killed trainer was writing (.tmp-*) goes
-    for folder in (run_dir, run_dir / "checkpoints"):
+    for folder in (run_dir, run_dir / CHECKPOINTS):
         remove_stale_temporaries_in(folder)
     return handle  # the lock lasts while this stays open
 

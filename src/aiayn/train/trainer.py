@@ -29,6 +29,7 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, 
 from aiayn.device import choose_device
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
+from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
 from aiayn.tokens import PAD_ID
@@ -102,7 +103,7 @@ class Trainer:
             raise UserError(f"{job.train_data} was binarized with another vocabulary than {job.spm_model}; "
                             "rerun the binarize stage")
         self.data_fingerprint = self.train_split.meta["data_fingerprint"]
-        self.checkpoint_dir = job.run_dir / "checkpoints"
+        self.checkpoint_dir = job.run_dir / CHECKPOINTS
         self.model_config = self._model_config()
         torch.manual_seed(self.settings.seed)
         self.model = model_for_training(self.model_config, self.device)
@@ -396,7 +397,7 @@ class Trainer:
                     "model": self.model.state_dict(), "vocab_fingerprint": self.vocab_fingerprint,
                     "data_fingerprint": self.data_fingerprint, "averaged_steps": [progress.step],
                     "averaged_from": [checkpoint_path(self.checkpoint_dir, progress.step).name]},
-                   job.run_dir / "final.pt")
+                   job.run_dir / FINAL_MODEL)
         summary = {
             "preset": job.preset["name"], "seed": job.seed, "step": progress.step, "epochs": progress.epoch,
             "parameters": self.model.num_parameters(), "target_tokens": progress.target_tokens,
@@ -412,7 +413,7 @@ class Trainer:
         }
         self.tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"],
                                   **progress.per_step()}, progress.step)
-        write_json_atomic(job.run_dir / "final.json", summary)
+        write_json_atomic(job.run_dir / FINAL_SUMMARY, summary)
         return summary
 
 
