@@ -39,11 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from aiayn.batching import length_sorted_batches  # noqa: E402
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from aiayn.decode import search_batches  # noqa: E402
 from aiayn.model import ModelConfig, Transformer  # noqa: E402
 from aiayn.search import SearchConfig  # noqa: E402
 from aiayn.speed.incremental import InferenceModel  # noqa: E402
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
 MISSING_TRANSFORMERS = 3
 

@@ -35,13 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from aiayn.bpe import BOS_ID, PAD_ID, load_processor  # noqa: E402
+from aiayn.bpe import load_processor  # noqa: E402
 from aiayn.checkpoint import load_model  # noqa: E402
 from aiayn.decode import hypothesis_text, translate  # noqa: E402
 from aiayn.export import export_ctranslate2  # noqa: E402
 from aiayn.fileio import read_lines  # noqa: E402
 from aiayn.speed.incremental import InferenceModel  # noqa: E402
 from aiayn.search import SearchConfig  # noqa: E402
+from aiayn.tokens import BOS_ID, PAD_ID  # noqa: E402
 
 
 def cpu_has_bf16() -> bool:

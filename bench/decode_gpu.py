@@ -33,10 +33,10 @@ import torch
 from decode_cpu import NeverEnding  # bench/ is this script's folder; torch-only at import
 
 from aiayn.batching import length_sorted_batches
-from aiayn.bpe import EOS_ID, PAD_ID
 from aiayn.decode import resolve_tokens_per_batch
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import SearchConfig, beam_search
+from aiayn.tokens import EOS_ID, PAD_ID
 
 
 def source_lengths(args: argparse.Namespace) -> list[int]:

@@ -35,12 +35,13 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, load_processor  # noqa: E402
+from aiayn.bpe import load_processor  # noqa: E402
 from aiayn.checkpoint import load_model  # noqa: E402
 from aiayn.decode import _pad, hypothesis_text, translate  # noqa: E402
 from aiayn.score import score  # noqa: E402
 from aiayn.search import SearchConfig, length_penalty  # noqa: E402
 from aiayn.speed.incremental import InferenceModel  # noqa: E402
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
 
 @torch.no_grad()

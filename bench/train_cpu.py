@@ -38,8 +38,9 @@ from aiayn.batching import Batch, padded_to_multiple
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
 from aiayn.speed.host_memory import keep_freed_memory
-from aiayn.train import (COMPILE_MULTIPLE, adam, autocast_context, compiled, forward_flops, model_for_training,
-                         peak_flops)
+from aiayn.train.hardware import (COMPILE_MULTIPLE, adam, autocast_context, compiled, model_for_training,
+                                  peak_flops)
+from aiayn.train.schedule import forward_flops
 
 PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
     "base": (6, 512, 2048, 8),
@@ -70,14 +71,14 @@ def synthetic_batches(vocab: int, tokens: int, count: int, seed: int = 0) -> lis
 
 
 def autocast(device: str, precision: str):
-    """The trainer's precision context (aiayn.train.autocast_context), for both models."""
+    """The trainer's precision context (aiayn.train.hardware.autocast_context), for both models."""
     return autocast_context(torch.device(device), precision)
 
 
 def build_ours(config: ModelConfig, device: str, chunk_tokens: int | None = None):
     """The trainer's objective (aiayn.loss.TrainingObjective): encoder, decoder, then the chunked
     projection and label-smoothed loss, on the trainer's model for the device
-    (aiayn.train.model_for_training); ``chunk_tokens`` None is the trainer's default."""
+    (aiayn.train.hardware.model_for_training); ``chunk_tokens`` None is the trainer's default."""
     objective = TrainingObjective(model_for_training(config, torch.device(device)), 0.1, chunk_tokens)
 
     def step(src, tgt_in, tgt_out):
@@ -132,7 +133,7 @@ def measure(build, config, batches, device: str, precision: str, warmup: int, co
     shared VM) moves both alike."""
     torch.manual_seed(0)
     model, step = build(config, device)
-    if compile_backend:  # as the trainer compiles (aiayn.train.compiled), on batches padded as it pads them
+    if compile_backend:  # as the trainer compiles (aiayn.train.hardware.compiled), on batches padded as it pads them
         model.forward = compiled(model.forward, compile_backend)
         padded = [padded_to_multiple(Batch(*batch, 0, 0), COMPILE_MULTIPLE) for batch in batches]
         batches = [(batch.src, batch.tgt_in, batch.tgt_out) for batch in padded]

@@ -7,8 +7,8 @@ import pytest
 
 from aiayn.batching import StepShape, collate, length_batches, length_sorted_batches, split_step, step_batches
 from aiayn.binarize import load_split
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 def test_every_pair_lands_in_exactly_one_batch_within_the_token_budget():

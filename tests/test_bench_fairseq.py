@@ -13,7 +13,7 @@ from conftest import REPO
 
 from aiayn.config import load_config, model_fields, resolve_preset
 from aiayn.model import ModelConfig
-from aiayn.train import learning_rate
+from aiayn.train.schedule import learning_rate
 
 sys.path.insert(0, str(REPO / "bench"))
 import fairseq_m30k  # noqa: E402

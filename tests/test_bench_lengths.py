@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 
-from aiayn.bpe import BOS_ID, EOS_ID
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import length_penalty
+from aiayn.tokens import BOS_ID, EOS_ID
 
 sys.path.insert(0, str(REPO / "bench"))
 import lengths  # noqa: E402

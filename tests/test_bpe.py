@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, learn_bpe, load_processor
+from aiayn.bpe import learn_bpe, load_processor
 from aiayn.errors import UserError
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 
 def test_bpe_round_trips_text_exactly(prepared):

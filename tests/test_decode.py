@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aiayn import translate
-from aiayn.bpe import EOS_ID, learn_bpe, load_processor, vocab_fingerprint
+from aiayn.bpe import learn_bpe, load_processor, vocab_fingerprint
 from aiayn.checkpoint import load_model
 from aiayn.config import load_config, resolve_preset, to_json
 from aiayn.decode import hypothesis_text, main, resolve_tokens_per_batch, search_batches
@@ -18,6 +18,7 @@ from aiayn.errors import UserError
 from aiayn.model import Transformer
 from aiayn.search import SearchConfig, beam_search
 from aiayn.speed.incremental import InferenceModel
+from aiayn.tokens import EOS_ID
 from conftest import REPO
 from test_search import sources, tiny_model  # the search's tiny random models and padded sources
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, load_processor
+from aiayn.bpe import load_processor
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
 from aiayn.export import export_ctranslate2, export_huggingface, main, marian_permutation
 from aiayn.speed.incremental import InferenceModel

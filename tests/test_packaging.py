@@ -58,7 +58,7 @@ def test_model_and_training_import_with_torch_alone():
         "import sys\n"
         f"for name in {blocked!r}:\n"
         "    sys.modules[name] = None  # any import of these now fails\n"
-        "import aiayn.model, aiayn.train, aiayn.batching, aiayn.search, aiayn.checkpoint, aiayn.average\n"
+        "import aiayn.model, aiayn.train.launch, aiayn.batching, aiayn.search, aiayn.checkpoint, aiayn.average\n"
         "import aiayn.speed.packed, aiayn.speed.incremental, aiayn.decode\n"
         "print('ok')\n"
     )

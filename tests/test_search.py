@@ -11,7 +11,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiayn import search
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import (
@@ -25,6 +24,7 @@ from aiayn.search import (
     top_k,
 )
 from aiayn.speed.incremental import InferenceModel
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
 

@@ -101,7 +101,7 @@ def test_a_training_run_reaches_an_mlflow_server_and_compare_reads_it_back(prepa
                                                                           tracking_uri_unset):
     from mlflow.tracking import MlflowClient
 
-    from aiayn.train import TrainJob, train
+    from aiayn.train.trainer import TrainJob, train
 
     job = TrainJob(tiny_preset(name="served"), TRAIN_SECTION, 1, prepared / "bin" / "train", prepared / "bin" / "dev",
                    prepared / "bpe" / "spm.model", tmp_path / "run", "over-http", mlflow_server, True, "cpu",
@@ -282,7 +282,7 @@ def test_sigusr1_checkpoints_exits_75_and_the_rerun_ends_as_an_uninterrupted_run
     import torch
 
     from aiayn.checkpoint import list_checkpoints
-    from aiayn.train import EXIT_PREEMPTED
+    from aiayn.train.launch import EXIT_PREEMPTED
 
     # long enough that the signal lands mid-run, with checkpoints far apart so that the
     # one written on the signal is recognisable

@@ -15,10 +15,12 @@ import pytest
 from conftest import tiny_preset
 import torch
 
-from aiayn.checkpoint import choose_device, list_checkpoints, load_checkpoint, window_steps
+from aiayn.checkpoint import list_checkpoints, load_checkpoint, window_steps
 from aiayn.config import section_defaults
+from aiayn.device import choose_device
 from aiayn.errors import UserError
-from aiayn.train import TrainingDiverged, TrainJob, learning_rate, train
+from aiayn.train.schedule import learning_rate
+from aiayn.train.trainer import TrainingDiverged, TrainJob, train
 
 # the schema's defaults, with a small batch and frequent logging
 TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
@@ -70,7 +72,7 @@ def test_cuda_without_a_gpu_is_a_user_error(monkeypatch):
 
 def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(prepared, tmp_path):
     train(job(prepared, tmp_path / "straight"))
-    from aiayn.train import Preempted
+    from aiayn.train.trainer import Preempted
 
     with pytest.raises(Preempted):
         train(job(prepared, tmp_path / "resumed", stop_after_steps=3))
@@ -87,7 +89,7 @@ def test_stop_and_resume_ends_with_the_same_parameters_as_an_uninterrupted_run(p
 
 def test_training_on_the_cpu_uses_the_cheaper_dropout_mask(prepared, tmp_path):
     from aiayn.speed.dropout import MaskDropout
-    from aiayn.train import Trainer
+    from aiayn.train.trainer import Trainer
 
     model = Trainer(job(prepared, tmp_path / "run")).model
     assert not any(type(module) is torch.nn.Dropout for module in model.modules())
@@ -95,14 +97,14 @@ def test_training_on_the_cpu_uses_the_cheaper_dropout_mask(prepared, tmp_path):
 
 
 def test_the_trainers_adam_is_fused_on_the_cpu(prepared, tmp_path):
-    from aiayn.train import Trainer
+    from aiayn.train.trainer import Trainer
 
     groups = Trainer(job(prepared, tmp_path / "run")).optimizer.param_groups
     assert [group["fused"] for group in groups] == [True] and groups[0]["betas"] == (0.9, 0.98)
 
 
 def test_a_for_loop_adams_state_loads_into_the_fused_one_and_continues_as_the_for_loop_would():
-    from aiayn.train import adam, load_optimizer_state
+    from aiayn.train.hardware import adam, load_optimizer_state
 
     def model():
         torch.manual_seed(0)
@@ -242,7 +244,7 @@ def test_a_preempted_torchrun_job_exits_75_and_resumes_exactly_on_another_number
 
 
 def test_resuming_with_another_batch_rule_is_refused_naming_what_changed(prepared, tmp_path):
-    from aiayn.train import Preempted
+    from aiayn.train.trainer import Preempted
 
     with pytest.raises(Preempted):
         train(job(prepared, tmp_path / "run", stop_after_steps=1))
@@ -344,7 +346,7 @@ def test_a_time_budget_ends_the_run_normally_with_its_last_step_in_the_window(pr
 
 
 def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(prepared, tmp_path, capsys):
-    from aiayn.train import Preempted
+    from aiayn.train.trainer import Preempted
 
     train(job(prepared, tmp_path / "straight"))
     with pytest.raises(Preempted):
@@ -380,7 +382,7 @@ def test_a_second_trainer_on_a_run_folder_in_use_refuses_naming_the_first(prepar
 def test_a_run_resumed_after_a_kill_logs_each_step_once(prepared, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from aiayn.train import Preempted
+    from aiayn.train.trainer import Preempted
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     with pytest.raises(Preempted):
@@ -416,7 +418,7 @@ def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_so
 
 
 def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_instructions_and_fp32_elsewhere(monkeypatch):
-    from aiayn.train import resolved_precision
+    from aiayn.train.hardware import resolved_precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     for capabilities, expected in (({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, "bf16"),
@@ -436,10 +438,11 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
     import torch.fx.experimental._config
     from torch._dynamo.utils import counters
 
-    import aiayn.train
+    import aiayn.train.hardware
+    import aiayn.train.trainer
     from aiayn.batching import padded_to_multiple
 
-    monkeypatch.setattr(aiayn.train, "COMPILE_BACKEND", "aot_eager")  # traced as inductor would, nothing built
+    monkeypatch.setattr(aiayn.train.hardware, "COMPILE_BACKEND", "aot_eager")  # traced as inductor would, nothing built
     monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", True)  # restored after the test
     shapes = []
 
@@ -448,7 +451,7 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
         shapes.append((*padded.src.shape, padded.tgt_in.shape[1]))
         return padded
 
-    monkeypatch.setattr(aiayn.train, "padded_to_multiple", recorded)
+    monkeypatch.setattr(aiayn.train.trainer, "padded_to_multiple", recorded)
     torch._dynamo.reset()
     counters.clear()
     summary = train(job(prepared, tmp_path / "run", steps=12, train={"compile": True, "dev_every": 0}))
@@ -461,7 +464,7 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
 def test_training_on_the_cpu_uses_the_bf16_attention(prepared, tmp_path):
     from aiayn.speed.cpu_attention import BF16CPUAttention
     from aiayn.model import MultiHeadAttention
-    from aiayn.train import Trainer
+    from aiayn.train.trainer import Trainer
 
     model = Trainer(job(prepared, tmp_path / "run")).model
     assert not any(type(module) is MultiHeadAttention for module in model.modules())

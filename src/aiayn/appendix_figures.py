@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from aiayn.bpe import EOS_ID, UNK_ID
 from aiayn.checkpoint import load_model
 from aiayn.errors import UserError
 from aiayn.model import scaled_dot_product_attention
+from aiayn.layout import ATTENTION_ANAPHORA_FIGURE, ATTENTION_LONG_DISTANCE_FIGURE
+from aiayn.tokens import EOS_ID, UNK_ID
 
 LONG_DISTANCE = ("It is in this spirit that a majority of American governments have passed new laws since 2009 "
                  "making the registration or voting process more difficult.")
@@ -160,7 +161,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     weights = weights_of(long_distance)
     making = long_distance.positions("making")
     long_path = plots.plot_attention(
-        weights.numpy(), long_distance.pieces, out_dir / "attention_long_distance.png",
+        weights.numpy(), long_distance.pieces, out_dir / ATTENTION_LONG_DISTANCE_FIGURE,
         title=f"Long-distance dependencies: every head of {layer_text}\n"
               f"(the paper: heads attend from \"making\" to \"more difficult\"; its row is outlined"
               f"{unknown_note(long_distance)})",
@@ -170,7 +171,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     weights = weights_of(anaphora)
     chosen = anaphora_heads(weights, anaphora, min(ANAPHORA_HEADS, weights.shape[0]))
     anaphora_path = plots.plot_attention(
-        weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / "attention_anaphora.png",
+        weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / ATTENTION_ANAPHORA_FIGURE,
         title=f"Anaphora resolution: the heads of {layer_text} that attend most from \"its\" to \"Law\" and "
               f"\"application\"\n(the row of \"its\" is outlined{unknown_note(anaphora)})",
         panel_titles=[f"head {head + 1}: its \u2192 Law {law:.2f}, \u2192 application {app:.2f}"

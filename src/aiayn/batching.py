@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 def length_batches(

@@ -27,6 +27,7 @@ import numpy as np
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs
+from aiayn.layout import SPLIT_ARRAYS, SPLIT_META
 
 CHUNK_PAIRS = 20_000
 # A training split that keeps less than this share of its pairs is refused: a max_tokens or a vocabulary
@@ -178,7 +179,7 @@ def binarize_split(
     if not pairs:
         raise UserError(f"{src_path}: the {split} split is empty")
     out_dir = Path(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "meta.json").exists():
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SPLIT_META).exists():
         raise UserError(f"{out_dir} is a folder that holds something other than a binarized split; "
                         "give a new folder for --out-dir (it is replaced as a whole)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
@@ -188,8 +189,7 @@ def binarize_split(
         tmp.mkdir()
         with contextlib.ExitStack() as stack:
             arrays = {name: stack.enter_context(NpyWriter(tmp / f"{name}.npy", kind))
-                      for name, kind in (("src.ids", dtype), ("src.offsets", np.int64), ("tgt.ids", dtype),
-                                         ("tgt.offsets", np.int64), ("lines", np.int64))}
+                      for name, kind in zip(SPLIT_ARRAYS, (dtype, np.int64, dtype, np.int64, np.int64))}
             arrays["src.offsets"].append(np.zeros(1))
             arrays["tgt.offsets"].append(np.zeros(1))
             for src_flat, src_len, tgt_flat, tgt_len in encode_chunks(src_path, tgt_path, model_path, workers,
@@ -231,7 +231,7 @@ def binarize_split(
             "src_file": str(src_path),
             "tgt_file": str(tgt_path),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        (tmp / SPLIT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
 
 
@@ -287,13 +287,12 @@ class TokenizedSplit:
 
 def load_split(path: str | Path, mmap: bool = True) -> TokenizedSplit:
     path = Path(path)
-    if not (path / "meta.json").exists():
-        raise UserError(f"{path}: not a binarized split (no meta.json); run the binarize stage")
+    if not (path / SPLIT_META).exists():
+        raise UserError(f"{path}: not a binarized split (no {SPLIT_META}); run the binarize stage")
     mode = "r" if mmap else None
-    arrays = {name: np.load(path / f"{name}.npy", mmap_mode=mode)
-              for name in ("src.ids", "src.offsets", "tgt.ids", "tgt.offsets", "lines")}
+    arrays = {name: np.load(path / f"{name}.npy", mmap_mode=mode) for name in SPLIT_ARRAYS}
     return TokenizedSplit(arrays["src.ids"], arrays["src.offsets"], arrays["tgt.ids"], arrays["tgt.offsets"],
-                          arrays["lines"], json.loads((path / "meta.json").read_text()))
+                          arrays["lines"], json.loads((path / SPLIT_META).read_text()))
 
 
 @cli

@@ -1,7 +1,7 @@
 """The bpe stage: one SentencePiece BPE vocabulary shared by source and target (paper: about 37000).
 
 Learned on a shuffled sample of both sides of the training data, with fixed ids for the
-special symbols so that every later stage can rely on them: pad 0, unk 1, bos 2, eos 3.
+special symbols so that every later stage can rely on them (``aiayn.tokens``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from aiayn.fileio import (
     GZIP_MAGIC, atomic_path, count_lines, decompressed_name, fingerprint_files, input_exists,
     iter_lines, open_input, prepare_output, refuse_overwriting_inputs, write_json_atomic,
 )
+from aiayn.layout import BPE_INFO, SPM_MODEL, SPM_PREFIX, SPM_VOCAB
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 PROGRESS_EVERY = 65536  # lines between updates of the progress bar
 
 
@@ -49,7 +50,7 @@ def learn_bpe(
         seed = schema_default("bpe.seed")
 
     out_dir = Path(out_dir)
-    refuse_overwriting_inputs({"--out-dir": [out_dir / name for name in ("spm.model", "spm.vocab", "bpe.json")]},
+    refuse_overwriting_inputs({"--out-dir": [out_dir / name for name in (SPM_MODEL, SPM_VOCAB, BPE_INFO)]},
                               {"training text": train_files}, {"--out-dir": out_dir / ".spm-training"})
     lines = check_training_text(train_files)
     if threads is not None and threads < 1:
@@ -63,7 +64,7 @@ def learn_bpe(
     created = not out_dir.exists()
     work.mkdir(parents=True)
     try:
-        prefix = str(work / "spm")
+        prefix = str(work / SPM_PREFIX)
         try:
             with tqdm(total=lines, desc="bpe: reading", unit=" lines", mininterval=2.0, disable=None) as progress:
                 spm.SentencePieceTrainer.train(
@@ -92,9 +93,9 @@ def learn_bpe(
                     "in your config or use more training data"
                 ) from None
             raise
-        for suffix in ("model", "vocab"):
-            with atomic_path(out_dir / f"spm.{suffix}") as tmp_path:
-                shutil.copyfile(f"{prefix}.{suffix}", tmp_path)
+        for name in (SPM_MODEL, SPM_VOCAB):
+            with atomic_path(out_dir / name) as tmp_path:
+                shutil.copyfile(work / name, tmp_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if created and not any(out_dir.iterdir()):  # a failed run leaves no output folder behind
@@ -107,11 +108,11 @@ def learn_bpe(
         "input_sentence_size": input_sentence_size,
         "character_coverage": character_coverage,
         "seed": seed,
-        "fingerprint": vocab_fingerprint(out_dir / "spm.model"),
+        "fingerprint": vocab_fingerprint(out_dir / SPM_MODEL),
         "data_fingerprint": fingerprint_files(*train_files),
         "train_files": [str(p) for p in train_files],
     }
-    write_json_atomic(out_dir / "bpe.json", info)
+    write_json_atomic(out_dir / BPE_INFO, info)
     return info
 
 
@@ -180,7 +181,7 @@ def load_processor(model_path: str | Path):
 
     model_path = Path(model_path)
     if model_path.is_dir():
-        hint = f" (did you mean {model_path / 'spm.model'}?)" if (model_path / "spm.model").is_file() else ""
+        hint = f" (did you mean {model_path / SPM_MODEL}?)" if (model_path / SPM_MODEL).is_file() else ""
         raise UserError(f"{model_path} is a directory, but a SentencePiece model file is expected{hint}")
     if not input_exists(model_path):
         raise UserError(f"{model_path}: SentencePiece model not found (run the bpe stage first)")

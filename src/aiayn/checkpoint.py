@@ -8,24 +8,23 @@ only so that a killed job can resume, and never enter an average. A model
 file (``aiayn-model-v1``: written by averaging and at the end of training) holds only what
 decoding needs. Both contain tensors and plain values alone, so they load with
 ``torch.load(weights_only=True)``: no pickled code runs when a file is opened. ``load_model`` is
-the one way the stages load a trained model from either, onto the device ``choose_device`` picks.
+the one way the stages load a trained model from either.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
 
 from aiayn.errors import UserError
 from aiayn.fileio import atomic_path, input_exists, open_input
+from aiayn.layout import AVERAGED_MODEL, CHECKPOINT_NAME, CHECKPOINTS, FINAL_MODEL, checkpoint_name
 from aiayn.model import ModelConfig, Transformer
 
 CHECKPOINT_FORMAT = "aiayn-checkpoint-v1"
 MODEL_FORMAT = "aiayn-model-v1"
-_CHECKPOINT_NAME = re.compile(r"(step|safety)_(\d+)\.pt")
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -93,8 +92,8 @@ def _model_files_in(folder: str | os.PathLike) -> str:
     """What to give instead of ``folder``: the model files in it (an average's model.pt, a run's final.pt
     and its last checkpoint), or where those are written."""
     folder = Path(folder)
-    found = [folder / name for name in ("model.pt", "final.pt") if (folder / name).is_file()]
-    for checkpoints in (folder, folder / "checkpoints"):
+    found = [folder / name for name in (AVERAGED_MODEL, FINAL_MODEL) if (folder / name).is_file()]
+    for checkpoints in (folder, folder / CHECKPOINTS):
         found += [path for _, path in list_checkpoints(checkpoints)[-1:]]
     found = found or sorted(folder.glob("*.pt"))[:3]
     if found:
@@ -116,22 +115,6 @@ def _check_vocabulary(path: str | os.PathLike, checkpoint: dict, config: ModelCo
     if checkpoint["vocab_fingerprint"] != vocab_fingerprint(spm_model):
         raise UserError(f"{path} was trained with another vocabulary than {spm_model}; "
                         "use the SentencePiece model of the model's own run")
-
-
-def choose_device(requested: str = "auto", gpus: int = 1, local_rank: int = 0) -> torch.device:
-    """``auto``: a GPU when torch sees one and the job asks for GPUs (``gpus`` > 0), else the CPU.
-
-    ``cuda`` where torch sees no GPU is a user error. Processes that outnumber the GPUs share them
-    (local rank modulo the GPU count).
-    """
-    if requested == "cpu" or (requested == "auto" and (gpus == 0 or not torch.cuda.is_available())):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError(f"device {requested} (--device or train.device), but torch sees no CUDA device here; "
-                        "use auto or cpu, or run the job where a GPU is visible")
-    index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def save_model(obj: dict, path: str | os.PathLike) -> None:
@@ -162,7 +145,7 @@ def last_checkpoints(checkpoint_dir: str | os.PathLike, k: int) -> list[Path]:
 
 
 def checkpoint_path(checkpoint_dir: str | os.PathLike, step: int, window: bool = True) -> Path:
-    return Path(checkpoint_dir) / f"{'step' if window else 'safety'}_{step:08d}.pt"
+    return Path(checkpoint_dir) / checkpoint_name(step, window)
 
 
 def window_steps(last_step: int, interval: int, count: int) -> list[int]:
@@ -184,7 +167,7 @@ def list_checkpoints(checkpoint_dir: str | os.PathLike, safety: bool = False) ->
         return []
     found = []
     for path in checkpoint_dir.glob("*.pt"):
-        match = _CHECKPOINT_NAME.fullmatch(path.name)
+        match = CHECKPOINT_NAME.fullmatch(path.name)
         if match and (safety or match.group(1) == "step"):
             found.append((int(match.group(2)), match.group(1) == "safety", path))
     return [(step, path) for step, _, path in sorted(found)]

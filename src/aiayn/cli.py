@@ -13,7 +13,7 @@ COMMANDS = {
     "bpe": ("aiayn.bpe", "learn the shared SentencePiece BPE vocabulary"),
     "binarize": ("aiayn.binarize", "encode text into token-id arrays"),
     "params": ("aiayn.params", "parameter count of every preset beside the paper's"),
-    "train": ("aiayn.train", "train one model preset"),
+    "train": ("aiayn.train.launch", "train one model preset"),
     "average": ("aiayn.average", "average the last K checkpoints"),
     "decode": ("aiayn.decode", "beam-search a binarized or text split"),
     "translate": ("aiayn.translate", "translate stdin to stdout with a trained model"),

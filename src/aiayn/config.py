@@ -18,7 +18,6 @@ from aiayn.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
-DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
 
 # Keys every resolved preset must have (after following `inherit`).
 PRESET_KEYS = (

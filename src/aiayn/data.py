@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (count_lines, iter_lines, prepare_output, refuse_overwriting_inputs, temporary_prefix,
                           write_json_atomic)
+from aiayn.layout import DATA_STATS, text_name
 
 SPLITS = ("train", "dev", "test")
 BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
@@ -343,8 +344,8 @@ def download(data: dict, out_dir: str | Path) -> dict:
     src_lang, tgt_lang = data["src_lang"], data["tgt_lang"]
     local = (data.get("local") or {}) if data["source"] == "local" else {}
     refuse_overwriting_inputs(  # a local text file where the cleaned split is written would be replaced by it
-        {"--out-dir": [out_dir / f"{split}.{lang}" for split in SPLITS for lang in (src_lang, tgt_lang)]
-         + [out_dir / "stats.json"]},
+        {"--out-dir": [out_dir / text_name(split, lang) for split in SPLITS for lang in (src_lang, tgt_lang)]
+         + [out_dir / DATA_STATS]},
         {f"data.local.{split}.{side}": os.path.expanduser(spec[side])
          for split, spec in local.items() if isinstance(spec, dict) for side in ("src", "tgt") if side in spec})
     if src_lang == tgt_lang:
@@ -362,8 +363,8 @@ def download(data: dict, out_dir: str | Path) -> dict:
         all_stats, split_stats = {}, {}
         for split, source in sources.items():
             stats = SplitStats(origin=source.origin, dropped_ratio=0 if max_length_ratio is not None else None)
-            with open(tmp / f"{split}.{src_lang}", "w", encoding="utf-8", newline="\n") as src_file, \
-                 open(tmp / f"{split}.{tgt_lang}", "w", encoding="utf-8", newline="\n") as tgt_file, \
+            with open(tmp / text_name(split, src_lang), "w", encoding="utf-8", newline="\n") as src_file, \
+                 open(tmp / text_name(split, tgt_lang), "w", encoding="utf-8", newline="\n") as tgt_file, \
                  tqdm(total=source.pairs, desc=f"download {split}", unit=" pairs", mininterval=2.0,
                       disable=None) as progress:
                 for src, tgt in source.batches():
@@ -383,12 +384,12 @@ def download(data: dict, out_dir: str | Path) -> dict:
         notes = warnings(split_stats)
         if notes:
             summary["warnings"] = notes
-        write_json_atomic(tmp / "stats.json", summary)
+        write_json_atomic(tmp / DATA_STATS, summary)
         out_dir.mkdir(exist_ok=True)
         for split in SPLITS:
             for lang in (src_lang, tgt_lang):
-                os.replace(tmp / f"{split}.{lang}", out_dir / f"{split}.{lang}")
-        os.replace(tmp / "stats.json", out_dir / "stats.json")
+                os.replace(tmp / text_name(split, lang), out_dir / text_name(split, lang))
+        os.replace(tmp / DATA_STATS, out_dir / DATA_STATS)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for note in summary.get("warnings", []):

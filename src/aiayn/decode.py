@@ -21,11 +21,12 @@ import torch
 from torch import Tensor
 
 from aiayn.batching import length_sorted_batches
-from aiayn.bpe import EOS_ID, PAD_ID
-from aiayn.checkpoint import choose_device, load_model
+from aiayn.checkpoint import load_model
+from aiayn.device import choose_device
 from aiayn.errors import UserError, cli
 from aiayn.search import Hypothesis, SearchConfig, SearchModel, beam_search
 from aiayn.speed.incremental import InferenceModel, ScratchBuffers
+from aiayn.tokens import EOS_ID, PAD_ID
 
 # decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
 # decoder cache (beam 4, outputs up to source + 50, bf16) within an 80 GB GPU even for a batch of the

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.errors import UserError, cli
 from aiayn.model import Transformer, sinusoid_table
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from aiayn.bpe import PAD_ID
+from aiayn.tokens import PAD_ID
 
 # A chunk's fp32 log-probabilities hold at most this many numbers (128 MiB): large enough that its matrix
 # products keep a GPU busy, small beside the model's activations.

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.bpe import PAD_ID
 from aiayn.config import check_heads
 from aiayn.errors import UserError
+from aiayn.tokens import PAD_ID
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "none")
 INIT_KINDS = ("t2t", "fairseq")

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, read_lines, refuse_overwriting_inputs, write_text_atomic
+from aiayn.layout import DEV_PPL_FIGURE, METRICS, TABLE3_BLEU_FIGURE, TABLES
 
 BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
 BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
@@ -184,7 +185,7 @@ def dev_perplexity_curves(files: dict) -> dict[str, dict[int, list[tuple[int, fl
     for (preset, run_seed), run in files.items():
         history = _read_json(run.final).get("dev_history") or []
         points = {int(entry["step"]): float(entry["dev_ppl"]) for entry in history if "dev_ppl" in entry}
-        metrics = run.run_dir / "metrics.jsonl"
+        metrics = run.run_dir / METRICS
         if not points and metrics.exists():
             # A resumed job appends to metrics.jsonl, so a step can appear twice: the last record wins.
             for line in metrics.read_text(encoding="utf-8").splitlines():
@@ -257,10 +258,10 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
     signature = runs["sacrebleu_signature"].iloc[0]
     notes = _notes(signature, base, bootstrap_samples)
     written = []
-    for name, table, title in (
-        ("table2", table2, "Table 2: the test split (newstest2014 in the paper), averaged checkpoints"),
-        ("table3", table3, "Table 3: the dev split (newstest2013 in the paper), no averaging"),
-    ):
+    for name, table, title in zip(TABLES, (table2, table3), (
+        "Table 2: the test split (newstest2014 in the paper), averaged checkpoints",
+        "Table 3: the dev split (newstest2013 in the paper), no averaging",
+    )):
         with atomic_path(out_dir / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
         shown, left_out = markdown_columns(table)
@@ -272,12 +273,12 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
     if figures:
         from aiayn import plots
 
-        written.append(plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / "dev_ppl.png"))
+        written.append(plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / DEV_PPL_FIGURE))
         std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
         labels = [preset if row == preset else f"{preset}\n({row})"
                   for preset, row in zip(table3["preset"], table3["row"])]
         written.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
-                                            table3["paper_bleu_dev"], out_dir / "table3_bleu.png",
+                                            table3["paper_bleu_dev"], out_dir / TABLE3_BLEU_FIGURE,
                                             ylabel="dev BLEU (tokenized, as the paper's)"))
     return {"table2": table2, "table3": table3, "runs": runs, "run_files": files, "base": base,
             "files": written}

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.bpe import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import UserError
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,7 @@ from typing import Any, Callable, Sequence
 from aiayn.config import REPO_ROOT
 from aiayn.errors import UserError
 from aiayn.fileio import write_text_atomic
-
-RUN_ID_FILE = "mlflow_run_id"
-MLFLOW_STEP_FILE = "mlflow_logged_step"
+from aiayn.layout import METRICS, MLFLOW_LOGGED_STEP, MLFLOW_RUN_ID
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -238,11 +236,11 @@ class Tracker:
         """Open (or, resuming, reopen) the run. ``datasets``: (name, fingerprint, source, context) of
         each split trained or evaluated on, logged as MLflow dataset inputs of a new run."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._logged_step = _last_logged_step(self.run_dir / "metrics.jsonl")
-        marker = self.run_dir / MLFLOW_STEP_FILE
+        self._logged_step = _last_logged_step(self.run_dir / METRICS)
+        marker = self.run_dir / MLFLOW_LOGGED_STEP
         self._mlflow_logged_step = int(marker.read_text()) if marker.exists() else -1
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        if self._jsonl.tell() and not (self.run_dir / "metrics.jsonl").read_bytes().endswith(b"\n"):
+        self._jsonl = open(self.run_dir / METRICS, "a", encoding="utf-8")
+        if self._jsonl.tell() and not (self.run_dir / METRICS).read_bytes().endswith(b"\n"):
             self._jsonl.write("\n")  # end a line a kill cut short, so the next record starts its own
         if not self.enabled:
             return None
@@ -253,7 +251,7 @@ class Tracker:
             self.enabled = False
             return None
         set_global_tracking_uri(self.uri)  # the system-metrics monitor logs through it
-        id_file = self.run_dir / RUN_ID_FILE
+        id_file = self.run_dir / MLFLOW_RUN_ID
         try:
             self.client = open_client(self.uri)
             experiment_id = experiment_id_for(self.client, self.experiment)
@@ -328,7 +326,7 @@ class Tracker:
         try:
             for start in range(0, len(pending), 1000):
                 _retry(lambda: self.client.log_batch(self.run_id, metrics=pending[start:start + 1000]), "metrics")
-            write_text_atomic(self.run_dir / MLFLOW_STEP_FILE, f"{max(metric.step for metric in pending)}\n")
+            write_text_atomic(self.run_dir / MLFLOW_LOGGED_STEP, f"{max(metric.step for metric in pending)}\n")
         except Exception as error:
             # a store that goes away must not stop training: the JSONL copy has every metric
             print(f"warning: MLflow logging failed ({error}); metrics kept in metrics.jsonl", file=sys.stderr)
@@ -364,7 +362,7 @@ def forget_unresumed_attempt(run_dir: str | Path) -> None:
     """Remove what an earlier attempt of a run logged when this one starts afresh (no checkpoint to resume:
     it failed or was killed before its first). Its steps are trained again, perhaps with a fixed config,
     and must be logged again, not skipped as held; into a new MLflow run, as the earlier run has them."""
-    for name in ("metrics.jsonl", MLFLOW_STEP_FILE, RUN_ID_FILE):
+    for name in (METRICS, MLFLOW_LOGGED_STEP, MLFLOW_RUN_ID):
         (Path(run_dir) / name).unlink(missing_ok=True)
 
 

@@ -47,13 +47,13 @@ def test_a_freed_block_is_reused_without_faulting_in_its_pages_again():
 
 
 def test_the_training_command_keeps_freed_memory(prepared, tmp_path, monkeypatch):
-    import aiayn.train
+    import aiayn.train.launch
 
     calls = []
-    monkeypatch.setattr(aiayn.train, "keep_freed_memory", lambda: calls.append("kept") or True)
-    monkeypatch.setattr(aiayn.train, "train", lambda job: {})
+    monkeypatch.setattr(aiayn.train.launch, "keep_freed_memory", lambda: calls.append("kept") or True)
+    monkeypatch.setattr(aiayn.train.launch, "train", lambda job: {})
     train_section = {**section_defaults("train"), "device": "cpu"}
-    status = aiayn.train.main([
+    status = aiayn.train.launch.main([
         "--preset-json", json.dumps(tiny_preset()), "--train-json", json.dumps(train_section),
         "--train-data", str(prepared / "bin" / "train"), "--spm-model", str(prepared / "bpe" / "spm.model"),
         "--run-dir", str(tmp_path / "run"), "--no-tracking"])

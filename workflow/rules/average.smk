@@ -2,11 +2,10 @@ rule average:
     input:
         rules.train.output.final,
     output:
-        model=f"{RESULTS}/average/{{model}}/seed{{seed}}/model.pt",
+        model=f"{RESULTS}/average/{{model}}/seed{{seed}}/{layout.AVERAGED_MODEL}",
     params:
         last=lambda w: preset(w)["average_last"],
-        # the train stage writes its checkpoints beside final.json
-        checkpoint_dir=lambda w, input: Path(input[0]).parent / "checkpoints",
+        checkpoint_dir=lambda w: for_run(run_file(layout.CHECKPOINTS), w),
         tracking_uri=config["tracking_uri"],
     log:
         log_file("average", *RUN_LOG),

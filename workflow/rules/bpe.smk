@@ -3,9 +3,9 @@ rule bpe:
         data_text("train", SRC),
         data_text("train", TGT),
     output:
-        model=f"{RESULTS}/bpe/spm.model",
-        vocab=f"{RESULTS}/bpe/spm.vocab",
-        info=f"{RESULTS}/bpe/bpe.json",
+        model=f"{RESULTS}/bpe/{layout.SPM_MODEL}",
+        vocab=f"{RESULTS}/bpe/{layout.SPM_VOCAB}",
+        info=f"{RESULTS}/bpe/{layout.BPE_INFO}",
     params:
         bpe=to_json(config["bpe"]),
         out_dir=lambda w, output: Path(output.model).parent,

@@ -4,6 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
+from aiayn import layout
 from aiayn.config import check_config, resolve_preset, to_json
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
@@ -50,10 +51,11 @@ wildcard_constraints:
 
 
 # Every path is written once: the rule that makes a file names it with these helpers, and the rules
-# that read it take it from that rule's output (rules.<name>.output), never spell it again.
+# that read it take it from that rule's output (rules.<name>.output), never spell it again. The names
+# of the files inside a stage's folder are aiayn.layout's, which the stage itself writes and reads.
 def data_text(split="{split}", lang="{lang}"):
     """A split's plain text, one sentence a line (the download stage's output)."""
-    return f"{RESULTS}/data/{split}.{lang}"
+    return f"{RESULTS}/data/{layout.text_name(split, lang)}"
 
 
 def run_file(name):

@@ -3,7 +3,7 @@ rule download:
         local_inputs(),
     output:
         texts=[data_text(split, lang) for split in SPLITS for lang in (SRC, TGT)],
-        stats=f"{RESULTS}/data/stats.json",
+        stats=f"{RESULTS}/data/{layout.DATA_STATS}",
     params:
         data=to_json(config["data"]),
         out_dir=lambda w, output: Path(output.stats).parent,

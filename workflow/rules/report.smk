@@ -18,19 +18,23 @@ rule report:
         attention_model=for_run(rules.average.output.model, {"model": REPORT_BASE, "seed": config["seeds"][0]}),
         spm_model=rules.bpe.output.model,
     output:
-        table2_csv=report(f"{REPORT}/table2.csv", caption="../report/table2.rst", category="Tables"),
-        table2_md=report(f"{REPORT}/table2.md", caption="../report/table2.rst", category="Tables"),
-        table3_csv=report(f"{REPORT}/table3.csv", caption="../report/table3.rst", category="Tables"),
-        table3_md=report(f"{REPORT}/table3.md", caption="../report/table3.rst", category="Tables"),
-        dev_ppl=report(f"{REPORT}/dev_ppl.png", caption="../report/dev_ppl.rst", category="Figures"),
-        table3_bleu=report(f"{REPORT}/table3_bleu.png", caption="../report/table3_bleu.rst", category="Figures"),
+        table2_csv=report(f"{REPORT}/{layout.TABLE2}.csv", caption="../report/table2.rst", category="Tables"),
+        table2_md=report(f"{REPORT}/{layout.TABLE2}.md", caption="../report/table2.rst", category="Tables"),
+        table3_csv=report(f"{REPORT}/{layout.TABLE3}.csv", caption="../report/table3.rst", category="Tables"),
+        table3_md=report(f"{REPORT}/{layout.TABLE3}.md", caption="../report/table3.rst", category="Tables"),
+        dev_ppl=report(f"{REPORT}/{layout.DEV_PPL_FIGURE}", caption="../report/dev_ppl.rst", category="Figures"),
+        table3_bleu=report(
+            f"{REPORT}/{layout.TABLE3_BLEU_FIGURE}", caption="../report/table3_bleu.rst", category="Figures"
+        ),
         attention_long_distance=report(
-            f"{REPORT}/attention_long_distance.png",
+            f"{REPORT}/{layout.ATTENTION_LONG_DISTANCE_FIGURE}",
             caption="../report/attention_long_distance.rst",
             category="Attention",
         ),
         attention_anaphora=report(
-            f"{REPORT}/attention_anaphora.png", caption="../report/attention_anaphora.rst", category="Attention"
+            f"{REPORT}/{layout.ATTENTION_ANAPHORA_FIGURE}",
+            caption="../report/attention_anaphora.rst",
+            category="Attention",
         ),
     params:
         # the presets in the order of `models` (the tables' order), each preset's keys sorted, so that

@@ -4,8 +4,8 @@ rule train:
         dev=for_run(rules.binarize.output[0], {"split": "dev"}),
         spm_model=rules.bpe.output.model,
     output:
-        final=run_file("final.json"),
-        model=run_file("final.pt"),
+        final=run_file(layout.FINAL_SUMMARY),
+        model=run_file(layout.FINAL_MODEL),
     params:
         preset=lambda w: to_json(preset(w)),
         train=output_settings("train"),
