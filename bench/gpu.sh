@@ -73,7 +73,7 @@ fi
 DAG=$WORK/dag
 mkdir -p "$DAG"
 cp -r Snakefile workflow config "$DAG/"
-CONFIGS=(config/config.yaml config/gpu_check.yaml)
+CONFIGS=(config/gpu_check.yaml)  # standalone: the demo no longer lies under every config
 if [ "$DEVICE" = cuda ]; then
   CORES=$(nproc)
   MATMUL=(--size 8192 --repeats 50)
@@ -108,7 +108,7 @@ echo "gpu check: device $DEVICE, $("$PYTHON" -c 'import torch; print("torch", to
 part "1. bf16 matmul ceiling" $T_MATMUL t "$PYTHON" bench/gpu_check.py matmul --device "$DEVICE" "${MATMUL[@]}"
 
 dag() {  # the demo DAG (or TARGETS of it); Snakemake's progress lines here, its whole log in $WORK/snakemake.log
-  (cd "$DAG" && t "$PYTHON" -m snakemake "$@" --cores "$CORES" --scheduler greedy --show-failed-logs --configfile "${CONFIGS[@]:1}") 2>&1 |
+  (cd "$DAG" && t "$PYTHON" -m snakemake "$@" --cores "$CORES" --scheduler greedy --show-failed-logs --configfile "${CONFIGS[@]}") 2>&1 |
     tee "$WORK/snakemake.log" | { grep --line-buffered -E 'steps \([0-9]+%\) done|Error' || true; }
   local status=${PIPESTATUS[0]}
   [ "$status" -eq 0 ] || tail -n 60 "$WORK/snakemake.log"
