@@ -77,13 +77,13 @@ def test_a_tokens_per_batch_that_is_not_a_whole_number_or_auto_is_a_user_error(v
 
 @pytest.mark.parametrize("paper_config", ["wmt14_en_de.yaml", "wmt14_en_fr.yaml"])
 def test_the_paper_configs_decode_auto_sized_batches(paper_config):
-    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / paper_config])
+    config = load_config([REPO / "config" / paper_config])  # as snakemake --configfile reads it
     assert config["decode"]["tokens_per_batch"] == "auto"
 
 
 def test_auto_batches_keep_the_big_models_decoding_memory_within_an_80_gb_gpu():
     """config/README.md's arithmetic: the worst batch is of two-token sources, outputs up to source + 50."""
-    config = load_config([REPO / "config" / "config.yaml", REPO / "config" / "wmt14_en_de.yaml"])
+    config = load_config([REPO / "config" / "wmt14_en_de.yaml"])
     big = resolve_preset(config, "big")
     source_len, positions = 2, 2 + config["decode"]["max_len_b"] + 1
     rows = resolve_tokens_per_batch("auto", "cuda") // source_len

@@ -49,7 +49,7 @@ def test_learning_rate_follows_the_paper_at_steps_1_4000_and_100000():
 def test_the_paper_presets_average_their_window_at_the_papers_steps():
     from aiayn.config import load_config, resolve_preset
 
-    config = load_config(["config/config.yaml", "config/wmt14_en_de.yaml"])
+    config = load_config(["config/wmt14_en_de.yaml"])
     base, big = resolve_preset(config, "base"), resolve_preset(config, "big")
     assert window_steps(base["steps"], base["checkpoint_steps"], base["average_last"]) == [
         94444, 95833, 97222, 98611, 100000]  # 5, 10 minutes of the paper's 12 h run apart
