@@ -89,6 +89,15 @@ def test_a_bad_value_names_the_file_key_and_allowed_values(tmp_path):
         load_config([DEFAULT, bad])
 
 
+def test_an_overlay_given_alone_is_told_that_the_demo_no_longer_lies_under_it(tmp_path):
+    overlay = write(tmp_path, "presets:\n  demo_base:\n    n_heads: 4\n")
+    with pytest.raises(UserError) as error:
+        load_config([overlay])
+    message = str(error.value)
+    assert message.startswith(f"{overlay}: 'models' is a required property")
+    assert f"name it first, --configfile config/config.yaml {overlay}" in message
+
+
 def test_an_unknown_preset_lists_the_known_ones(tmp_path):
     bad = write(tmp_path, "models: [demo_base, bigg]\n")
     with pytest.raises(UserError, match=r"override\.yaml: models lists unknown preset 'bigg' \(known presets: demo_base"):

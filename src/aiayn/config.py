@@ -155,7 +155,10 @@ def _schema_error_message(error, sources: Sequence[str]) -> str:
         allowed = ", ".join(str(v) for v in error.validator_value)
         return f"{where}: {key} = {error.instance!r} is not allowed (allowed values: {allowed})"
     if error.validator == "required":
-        return f"{where}: {error.message} at {key} (see config/README.md)"
+        demo = "" if path or any(Path(source).name == "config.yaml" for source in sources) else (
+            "; the demo's config/config.yaml is not read under yours: to build on it, name it first, "
+            "--configfile config/config.yaml " + str(sources[-1] if sources else "yours.yaml"))
+        return f"{where}: {error.message} at {key} (see config/README.md{demo})"
     description = error.schema.get("description")
     extra = f" ({description})" if description else ""
     return f"{where}: {key} = {error.instance!r}: {error.message}{extra}"
