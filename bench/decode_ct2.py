@@ -17,6 +17,15 @@ thread count the settings alternate, --repeats rounds, and the medians are print
 ratio to CTranslate2 float32, BLEU (sacreBLEU) and the share of sentences where the output equals
 ours in float32.
 
+--stop chooses our search's stopping rule, one or more (CTranslate2 keeps its own): t2t, the paper's
+bound (the default, ``SearchConfig()``); beam_finished, fairseq's ``stop_when_beam_finished``, which
+is what CTranslate2 does at alpha > 0 (it ends a sentence once beam_size x patience hypotheses have
+finished); best_finished, ``stop_when_best_finished``, CTranslate2's early exit at alpha 0 (a step's
+best candidate ends). With several, each is timed in the same rounds ("aiayn fp32 <rule>"), the first
+is the one the agreement column, bf16 and the alpha-0 check use, and the output also says how often
+each equals CTranslate2's float32. An untimed pass per set and rule counts the decoder rows
+(sentences x beams, summed over steps) and steps our search decoded.
+
     python bench/decode_ct2.py --model results/.../model.pt --spm-model results/.../spm.model \\
         --input data/multi30k/test_2016_flickr.en --reference data/multi30k/test_2016_flickr.de
 """
@@ -24,6 +33,7 @@ ours in float32.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import sys
@@ -74,6 +84,25 @@ def long_sentences(sources: list[str], references: list[str], count: int, seed: 
     return joined_sources, joined_references
 
 
+STOP_RULES = {
+    "t2t": {},
+    "beam_finished": {"stop_when_beam_finished": True},
+    "best_finished": {"stop_when_best_finished": True},
+}
+
+
+class RowCounting(InferenceModel):
+    """Counts the decoder steps and rows (sentences x beams) the search runs."""
+
+    steps = 0
+    rows = 0
+
+    def decode_step(self, tokens, position, cache):
+        self.steps += 1
+        self.rows += tokens.shape[0]
+        return super().decode_step(tokens, position, cache)
+
+
 def ours(model, processor, sentences, config, tokens_per_batch, bf16: bool) -> list[str]:
     # One worker, so the search runs in this thread, under this thread's autocast.
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -109,6 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-batch", type=int, default=8000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--stop", choices=sorted(STOP_RULES), nargs="+", default=["t2t"],
+                        help="our search's stopping rules (CTranslate2 keeps its own; the module's doc says which)")
     args = parser.parse_args(argv)
 
     processor = load_processor(args.spm_model)
@@ -121,10 +152,15 @@ def main(argv=None) -> int:
     sets = {"test": (sources, references)}
     if args.long:
         sets["long"] = long_sentences(read_lines(args.input), read_lines(args.reference), args.long, args.seed)
-    config = SearchConfig(beam_size=args.beam, length_penalty=args.alpha)
+    stops = list(dict.fromkeys(args.stop))
+    configs = {stop: SearchConfig(beam_size=args.beam, length_penalty=args.alpha, **STOP_RULES[stop]) for stop in stops}
+    config = configs[stops[0]]
+    ours_labels = {stop: "aiayn fp32" if len(stops) == 1 else f"aiayn fp32 {stop}" for stop in stops}
+    first = ours_labels[stops[0]]
     bf16 = cpu_has_bf16()
     print(f"torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}, bf16 on this CPU: {bf16}; "
-          f"beam {args.beam}, alpha {args.alpha}, tokens_per_batch {args.tokens_per_batch}, repeats {args.repeats}")
+          f"beam {args.beam}, alpha {args.alpha}, tokens_per_batch {args.tokens_per_batch}, repeats {args.repeats}; "
+          f"our stopping rule(s): {' '.join(stops)}")
     for name, (set_sources, _) in sets.items():
         words = [len(sentence.split()) for sentence in set_sources]
         tokens = [len(processor.encode(sentence)) for sentence in set_sources]
@@ -143,7 +179,11 @@ def main(argv=None) -> int:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 runs = {
-                    "aiayn fp32": lambda: ours(model, processor, set_sources, config, args.tokens_per_batch, False),
+                    ours_labels[stop]: lambda stop=stop: ours(model, processor, set_sources, configs[stop],
+                                                              args.tokens_per_batch, False)
+                    for stop in stops
+                }
+                runs |= {
                     "ct2 fp32": lambda: theirs(translators[threads]["float32"], processor, set_sources, config,
                                                args.tokens_per_batch),
                     "ct2 int8": lambda: theirs(translators[threads]["int8"], processor, set_sources, config,
@@ -165,17 +205,27 @@ def main(argv=None) -> int:
                 for label in runs:
                     median = statistics.median(seconds[label])
                     bleu = sacrebleu.corpus_bleu(outputs[label], [set_references]).score
-                    same = sum(a == b for a, b in zip(outputs[label], outputs["aiayn fp32"])) / len(set_sources)
+                    same = sum(a == b for a, b in zip(outputs[label], outputs[first])) / len(set_sources)
                     print(f"{name:5s} threads={threads} {label:11s} {len(set_sources) / median:7.1f} sent/s  "
-                          f"x{base / median:5.2f} of ct2 fp32  BLEU {bleu:5.2f}  same as aiayn fp32 {same:6.1%}  "
+                          f"x{base / median:5.2f} of ct2 fp32  BLEU {bleu:5.2f}  same as {first} {same:6.1%}  "
                           f"(median of {[round(s, 2) for s in seconds[label]]} s)")
+                for stop in stops:
+                    label = ours_labels[stop]
+                    same = sum(a == b for a, b in zip(outputs[label], outputs["ct2 fp32"])) / len(set_sources)
+                    print(f"{name:5s} threads={threads} {label} output equals ct2 fp32's for {same:.1%} of sentences")
+            # Untimed: the rows our search decodes with each rule.
+            for stop in stops:
+                counting = RowCounting(transformer)
+                ours(counting, processor, set_sources, configs[stop], args.tokens_per_batch, False)
+                print(f"{name:5s} aiayn fp32 ({stop}) decoded {counting.rows} decoder rows in {counting.steps} "
+                      f"steps over its batches ({counting.rows / len(set_sources):.1f} a sentence)")
             # Untimed: with alpha 0 the two length penalties are the same (1), so the searches should agree.
-            flat = SearchConfig(beam_size=args.beam, length_penalty=0.0)
+            flat = dataclasses.replace(config, length_penalty=0.0)
             ours_flat = ours(model, processor, set_sources, flat, args.tokens_per_batch, False)
             theirs_flat = theirs(translators[args.threads[0]]["float32"], processor, set_sources, flat,
                                  args.tokens_per_batch)
             same = sum(a == b for a, b in zip(ours_flat, theirs_flat)) / len(set_sources)
-            print(f"{name:5s} alpha=0: ct2 fp32 output equals aiayn fp32 for {same:.1%} of sentences")
+            print(f"{name:5s} alpha=0: ct2 fp32 output equals aiayn fp32 ({stops[0]}) for {same:.1%} of sentences")
     return 0
 
 

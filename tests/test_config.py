@@ -180,7 +180,8 @@ def test_every_code_default_equals_the_schemas():
     decode = section_defaults("decode")
     search_defaults = {field.name: field.default for field in dataclasses.fields(SearchConfig)}
     shared = set(search_defaults) & set(decode)
-    assert shared == {"beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished"}
+    assert shared == {"beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished",
+                      "stop_when_best_finished"}
     assert {key: search_defaults[key] for key in shared} == {key: decode[key] for key in shared}
     for function in (translate, search_batches):
         parameters = inspect.signature(function).parameters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -156,13 +157,15 @@ def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -
 
     Same scheme as beam_search without early termination: the top 2 * beam candidates, EOS among the
     top beam finish, the best beam others stay live, stop at the maximum length (or, with
-    stop_when_beam_finished, once beam have finished).
+    stop_when_beam_finished, once beam have finished; with stop_when_best_finished, once the best
+    candidate of some step has been EOS and n_best have finished).
     """
     src = torch.tensor([src_row])
     max_len = math.floor(config.max_len_a * len(src_row) + config.max_len_b)
     beam = config.beam_size
     live = [([], 0.0)]
     finished = []
+    best_ended = False
     for step in range(max_len + 1):
         candidates = []
         for tokens, log_prob in live:
@@ -174,12 +177,15 @@ def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -
                 log_probs[[t for t in range(len(log_probs)) if t != EOS_ID]] = -math.inf
             candidates += [(log_prob + value, tokens, token) for token, value in enumerate(log_probs.tolist())]
         candidates = sorted(candidates, key=lambda candidate: -candidate[0])[: 2 * beam]
+        best_ended = best_ended or (candidates[0][2] == EOS_ID and math.isfinite(candidates[0][0]))
         for log_prob, tokens, token in candidates[:beam]:
             if token == EOS_ID and math.isfinite(log_prob):
                 finished.append((log_prob / length_penalty(len(tokens) + 1, config.length_penalty), tokens))
         finished = sorted(finished, key=lambda hypothesis: -hypothesis[0])[:beam]
         live = [(tokens + [token], log_prob) for log_prob, tokens, token in candidates if token != EOS_ID][:beam]
         if config.stop_when_beam_finished and len(finished) >= beam:
+            break
+        if config.stop_when_best_finished and best_ended and len(finished) >= config.n_best:
             break
     return [(tokens, score) for score, tokens in finished]
 
@@ -244,6 +250,84 @@ def test_cached_batched_search_equals_full_recomputation(early_stopping, stop_wh
         expected = reference_beam_search(model, [t for t in row if t != PAD_ID], config)[: config.n_best]
         assert [h.tokens for h in hypotheses] == [tokens for tokens, _ in expected]
         assert [h.score for h in hypotheses] == pytest.approx([score for _, score in expected], abs=1e-4)
+
+
+class RowCountingTransformer(InferenceModel):
+    """Counts decoder steps and the rows (sentences x beams) they decode."""
+
+    steps = 0
+    rows = 0
+
+    def decode_step(self, tokens, position, cache):
+        self.steps += 1
+        self.rows += tokens.shape[0]
+        return super().decode_step(tokens, position, cache)
+
+
+@pytest.mark.parametrize("kind, alpha, n_best, early_stopping", [
+    ("half_trained", 0.6, 1, True), ("half_trained", 2.0, 1, True), ("half_trained", 2.0, 1, False),
+    ("half_trained", 1.0, 2, True), ("half_trained", 2.0, 3, False), ("random", 0.6, 1, True),
+])
+def test_stopping_when_the_best_candidate_ends_equals_the_slow_reference(kind, alpha, n_best, early_stopping,
+                                                                         half_trained):
+    """At alpha 2 the rule ends some sentences before a better hypothesis is found: their outputs differ
+    from the default search's, and still equal the reference's with the same rule."""
+    model = half_trained if kind == "half_trained" else tiny_model(seed=31)
+    config = SearchConfig(beam_size=3, length_penalty=alpha, max_len_a=0.5, max_len_b=6, n_best=n_best,
+                          early_stopping=early_stopping, stop_when_best_finished=True)
+    differ = 0
+    for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10])):
+        src = sources(lengths, seed=seed)
+        results = beam_search(model, src, config)
+        default = beam_search(model, src, dataclasses.replace(config, stop_when_best_finished=False))
+        differ += sum([h.tokens for h in a] != [h.tokens for h in b] for a, b in zip(results, default))
+        for row, hypotheses in zip(src.tolist(), results):
+            expected = reference_beam_search(model, [t for t in row if t != PAD_ID], config)[:n_best]
+            assert [h.tokens for h in hypotheses] == [tokens for tokens, _ in expected]
+            assert [h.score for h in hypotheses] == pytest.approx([score for _, score in expected], abs=1e-4)
+    if alpha == 2.0:
+        assert differ > 0
+
+
+@pytest.mark.parametrize("kind", ["half_trained", "random"])
+def test_stopping_when_the_best_candidate_ends_never_decodes_more_than_the_default(kind, half_trained):
+    model = half_trained if kind == "half_trained" else tiny_model(seed=31)
+    counted = {}
+    for rule in ("default", "best"):
+        counting = with_weights(RowCountingTransformer, model)
+        for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10]), (22, [11, 5, 5, 3, 9])):
+            steps_before = counting.steps
+            beam_search(counting, sources(lengths, seed=seed),
+                        SearchConfig(beam_size=4, max_len_b=8, stop_when_best_finished=rule == "best"))
+            counted.setdefault(rule, []).append(counting.steps - steps_before)
+        counted[rule + " rows"] = counting.rows
+    assert all(best <= default for best, default in zip(counted["best"], counted["default"]))
+    assert counted["best rows"] <= counted["default rows"]
+    if kind == "half_trained":  # outputs that end by themselves: the rule saves rows
+        assert counted["best rows"] < counted["default rows"]
+
+
+def test_stopping_when_the_best_candidate_ends_returns_the_first_best_eos_even_when_longer_would_score_higher():
+    """EOS first is the step's best candidate, so the rule ends the search there; the bound alone goes on
+    to A 8, which scores higher under alpha = 1."""
+    model = BigramModel(LONGER_WINS)
+    src = torch.tensor([[4, 4, EOS_ID]])
+    config = SearchConfig(beam_size=2, length_penalty=1.0, max_len_b=5)
+    assert beam_search(model, src, config)[0][0].tokens == [A, 8]
+    assert beam_search(model, src, dataclasses.replace(config, stop_when_best_finished=True))[0][0].tokens == []
+
+
+def test_at_alpha_zero_stopping_when_the_best_candidate_ends_changes_nothing(half_trained):
+    """With no length penalty the bound already ends a sentence at the step whose best candidate is EOS."""
+    src = sources([7, 3, 5, 9, 12, 4, 6, 8], seed=2)
+    results, steps = {}, {}
+    for rule in (False, True):
+        counting = with_weights(RowCountingTransformer, half_trained)
+        results[rule] = [[(h.tokens, h.score) for h in sentence] for sentence in beam_search(
+            counting, src, SearchConfig(length_penalty=0.0, max_len_b=8, stop_when_best_finished=rule))]
+        steps[rule] = (counting.steps, counting.rows)
+    assert results[True] == results[False]
+    assert steps[True] == steps[False]
 
 
 @pytest.mark.parametrize("trained", [False, True])
@@ -478,11 +562,13 @@ def accelerator_path(monkeypatch) -> None:
     monkeypatch.setattr(search, "reads_are_free", lambda device: False)
 
 
-@pytest.mark.parametrize("early_stopping", [True, False])
-def test_the_accelerator_path_reads_the_host_at_most_once_a_step(early_stopping, half_trained, monkeypatch):
+@pytest.mark.parametrize("early_stopping, stop_when_best_finished", [(True, False), (False, False), (True, True)])
+def test_the_accelerator_path_reads_the_host_at_most_once_a_step(early_stopping, stop_when_best_finished, half_trained,
+                                                                 monkeypatch):
     accelerator_path(monkeypatch)
     model = with_weights(StepMarking, half_trained)
-    config = SearchConfig(beam_size=4, n_best=2, max_len_a=0.5, max_len_b=6, early_stopping=early_stopping)
+    config = SearchConfig(beam_size=4, n_best=2, max_len_a=0.5, max_len_b=6, early_stopping=early_stopping,
+                          stop_when_best_finished=stop_when_best_finished)
     src = sources([7, 3, 5, 9, 12, 4, 8, 2, 10, 6], seed=31)
     model.marks, model.rows, model.reads = [], [], HostReads()
     with model.reads:
@@ -501,7 +587,8 @@ def test_the_accelerator_path_finds_the_cpu_paths_hypotheses(kind, half_trained,
     src = sources([7, 3, 5, 9, 12, 4, 8, 2, 1], seed=43)
     configs = [SearchConfig(max_len_b=8), SearchConfig(beam_size=3, n_best=3, max_len_a=0.5, max_len_b=6,
                                                       early_stopping=False), SearchConfig(beam_size=1, max_len_b=8),
-               SearchConfig(max_len_b=8, stop_when_beam_finished=True)]
+               SearchConfig(max_len_b=8, stop_when_beam_finished=True),
+               SearchConfig(max_len_b=8, length_penalty=2.0, n_best=2, stop_when_best_finished=True)]
     cpu = [beam_search(model, src, config) for config in configs]
     accelerator_path(monkeypatch)
     assert [beam_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit

@@ -35,6 +35,9 @@ class SearchConfig:
     n_best: int = 1  # hypotheses returned per sentence, best first
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
     stop_when_beam_finished: bool = False  # also stop once beam_size hypotheses have finished (fairseq's rule)
+    # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
+    # rule at length penalty 0; ``beam_search``)
+    stop_when_best_finished: bool = False
 
     def __post_init__(self) -> None:
         for name, minimum in (("beam_size", 1), ("n_best", 1), ("max_len_b", 0)):
@@ -254,6 +257,16 @@ def beam_search(
       beam_size hypotheses have finished, although a live one might still beat them. It saves steps
       and shortens outputs (BENCHMARKS.md, "Why outputs are short"); with beam_size 1 it is greedy
       decoding.
+    - only with ``stop_when_best_finished`` (off by default): the best candidate of one of its steps
+      (the highest log-prob of all its continuations, before the length penalty) has been EOS, and at
+      least n_best hypotheses have finished. This is CTranslate2's early exit (``BeamSearch::search``
+      in its src/decoding.cc, with ``patience`` 1), which CTranslate2 itself takes only at length
+      penalty 0: with a length penalty it ends a sentence once beam_size x patience hypotheses have
+      finished, which is ``stop_when_beam_finished``. With n_best 1 it ends the sentence at the first
+      step whose best candidate is EOS. At alpha 0 and n_best 1 the bound above ends it at that step
+      already (every later hypothesis has a lower log-prob than that candidate), so the rule changes
+      nothing there; at alpha > 0 it can end a sentence before the bound does, and a longer hypothesis
+      that the search did not reach could have scored higher.
 
     A sentence whose search has ended leaves the batch (its cache rows are dropped), so short
     sentences do not wait for long ones.
@@ -280,6 +293,8 @@ def beam_search(
         force_eos = beams.max_lens.eq(step)[:, None].expand_as(beams.live_log_probs).reshape(-1)
         log_probs = _step_log_probs(model.decode_step(beams.last_tokens, step, cache), force_eos, reads_free)
         candidates = _Candidates.best(log_probs, beams.live_log_probs, beam)
+        if config.stop_when_best_finished:
+            beams.note_best_ended(candidates)
         beams.finish(candidates, step, config.length_penalty, reads_free)
         keep_rows, new_tokens = beams.continue_live(candidates)
         done = beams.done(step, config)
@@ -357,6 +372,7 @@ class _Beams:
     finished_scores: Tensor  # (active, beam), sorted, best first
     finished_log_probs: Tensor
     finished_tokens: Tensor  # (active, beam, width)
+    best_ended: Tensor  # (active,) the best candidate of one of the sentence's steps was EOS (stop_when_best_finished)
     result_scores: Tensor  # (batch, n_best)
     result_log_probs: Tensor
     result_tokens: Tensor  # (batch, n_best, width)
@@ -375,6 +391,7 @@ class _Beams:
             finished_scores=torch.full((batch, beam), -math.inf, device=device),
             finished_log_probs=torch.full((batch, beam), -math.inf, device=device),
             finished_tokens=torch.full((batch, beam, width), PAD_ID, dtype=torch.long, device=device),
+            best_ended=torch.zeros(batch, dtype=torch.bool, device=device),
             result_scores=torch.full((batch, n_best), -math.inf, device=device),
             result_log_probs=torch.full((batch, n_best), -math.inf, device=device),
             result_tokens=torch.full((batch, n_best, width), PAD_ID, dtype=torch.long, device=device),
@@ -408,6 +425,12 @@ class _Beams:
             1, merged_index[:, :, None].expand(-1, -1, width)
         )
 
+    def note_best_ended(self, candidates: _Candidates) -> None:
+        """Marks the sentences whose best candidate of this step (the first, by log-prob) is EOS; the mark
+        stays, as CTranslate2's top_beam_finished does, for n_best > 1 may need later steps."""
+        best = candidates.tokens[:, 0].eq(EOS_ID) & candidates.log_probs[:, 0].isfinite()
+        self.best_ended = self.best_ended | best
+
     def continue_live(self, candidates: _Candidates) -> tuple[Tensor, Tensor]:
         """The best beam_size candidates that do not end stay live (there are at least beam_size of them,
         as each live hypothesis has one EOS among its candidates), in the slots of their parents where
@@ -428,6 +451,9 @@ class _Beams:
         done = self.max_lens.le(step) | ~best_live.isfinite()
         if config.stop_when_beam_finished:
             done |= self.finished_scores.isfinite().sum(dim=1).ge(self.beam)
+        if config.stop_when_best_finished:
+            # finished_scores is sorted best first, -inf where none: its n_best-th is finite once n_best have finished.
+            done |= self.best_ended & self.finished_scores[:, config.n_best - 1].isfinite()
         if config.early_stopping:
             best_possible_penalty = torch.maximum(
                 length_penalty((self.max_lens + 1).float(), config.length_penalty),
@@ -446,7 +472,7 @@ class _Beams:
     def keep(self, kept: Tensor) -> None:
         """Only the sentences `kept` go on, in that order."""
         for name in ("sentence_ids", "max_lens", "live_log_probs", "finished_scores", "finished_log_probs",
-                     "finished_tokens"):
+                     "finished_tokens", "best_ended"):
             setattr(self, name, getattr(self, name)[kept])
 
     def extend(self, keep_rows: Tensor, new_tokens: Tensor, step: int) -> None:
