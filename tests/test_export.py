@@ -5,7 +5,7 @@ German-like pairs), so that its output distributions are not the near-uniform on
 MarianMTModel must give our logits under teacher forcing and our greedy translations; CTranslate2 must
 give our greedy and beam-4 translations. The length penalty is alpha = 0 where beams are compared:
 ours is GNMT's ((5 + len) / 6) ** alpha, CTranslate2's len ** alpha, which rank some finished
-hypotheses differently for alpha > 0 (BENCHMARKS.md, "Exported models: CTranslate2 against ours").
+hypotheses differently for alpha > 0 (BENCHMARKS.md, "Decoding against CTranslate2").
 
 These tests skip where ctranslate2 or transformers is not installed, except under CI (``CI`` set),
 where they fail: they are the test extra's.
