@@ -12,7 +12,7 @@ rule binarize:
         log_file("binarize", "{split}"),
     resources:
         # streams: the parent and each worker hold a few chunks, whatever the corpus; set from the
-        # measurements in BENCHMARKS.md ("Data stages at WMT scale"): EN-FR's train split fits on one process
+        # measurements in BENCHMARKS.md ("Data stages"): EN-FR's train split fits on one process
         mem_mb=lambda wildcards, threads: 1000 + 250 * threads,
         runtime=180,
         attempt=attempt_number,

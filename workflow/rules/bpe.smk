@@ -14,7 +14,7 @@ rule bpe:
         log_file("bpe"),
     resources:
         # bounded by bpe.input_sentence_size (a sample), not by the corpus: set from BENCHMARKS.md ("Data
-        # stages at WMT scale", BPE with 1.4M word types in its sample), about 3x the peak measured at 10M pairs
+        # stages", BPE with 1.4M word types in its sample), about 3x the peak measured at 10M pairs
         mem_mb=6000,
         runtime=120,
         attempt=attempt_number,

@@ -11,7 +11,7 @@ rule download:
         log_file("download"),
     resources:
         # streams, so memory is flat in the corpus for every source (the hub's parquet files are read
-        # as local parquet is); set from the measurements in BENCHMARKS.md ("Data stages at WMT scale").
+        # as local parquet is); set from the measurements in BENCHMARKS.md ("Data stages").
         # A hub dataset that is not parquet goes through datasets' own conversion, which is not measured.
         mem_mb=4000,
         runtime=120,
