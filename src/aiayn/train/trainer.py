@@ -15,7 +15,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ from aiayn.binarize import load_split
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, is_window_step, list_checkpoints,
                               load_checkpoint, save_model)
+from aiayn.config import schema_default
 from aiayn.device import choose_device
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
@@ -73,7 +74,7 @@ class TrainJob:
     dev_data: Path | None
     spm_model: Path
     run_dir: Path
-    experiment: str = "default"
+    experiment: str = field(default_factory=lambda: schema_default("experiment"))  # the schema's, as the CLI's
     tracking_uri: str | None = None
     track: bool = True
     device: str = "auto"
