@@ -61,12 +61,16 @@ def test_reorder_cache_can_grow_the_batch_for_beams():
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
 
 
-def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batch():
+def two_sources_in_beams_of_two():
+    """A model, its inference wrapper, two sources (the second padded) and four target rows (two beams each)."""
     model = tiny_model(d_head=6, d_value=10)
-    inference = InferenceModel(model)
     src = tokens(2, 5, seed=1)
     src[1, 3:] = PAD
-    tgt = tokens(4, 6, seed=2)
+    return model, InferenceModel(model), src, tokens(4, 6, seed=2)
+
+
+def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batch():
+    model, inference, src, tgt = two_sources_in_beams_of_two()
     rows = torch.tensor([0, 0, 1, 1])  # two beams per source
     with torch.no_grad():
         cache = inference.init_cache(*inference.encode(src), max_len=6, group=2)
@@ -91,11 +95,7 @@ def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batc
 
 
 def test_reorder_cache_regroups_one_row_per_source_into_beams():
-    model = tiny_model(d_head=6, d_value=10)
-    inference = InferenceModel(model)
-    src = tokens(2, 5, seed=1)
-    src[1, 3:] = PAD
-    tgt = tokens(4, 6, seed=2)
+    model, inference, src, tgt = two_sources_in_beams_of_two()
     tgt[1, 0], tgt[3, 0] = tgt[0, 0], tgt[2, 0]  # beams of a source share their first token
     with torch.no_grad():
         cache = inference.init_cache(*inference.encode(src), max_len=6, capacity=4)  # one row per source
