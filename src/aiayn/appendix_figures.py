@@ -1,11 +1,11 @@
-"""Encoder self-attention weights for the paper's appendix pictures; for visualisation only.
+"""Attention weights of a trained model, for the paper's appendix pictures and ``aiayn explore``;
+for visualisation only.
 
 The model attends through torch's ``scaled_dot_product_attention``, which fuses the softmax and never
 hands out the weights. To draw them, this module recomputes softmax(Q K^T / sqrt(d_k)) (the model's
-Eq. 1, with V the identity) for one encoder layer from that layer's own modules: a forward pre-hook
-captures the layer's input and padding mask during an ordinary ``encode``, then the attention
-module's ``queries`` and ``keys_values`` project it exactly as its forward pass does. Training and
-decoding never call this.
+Eq. 1, with V the identity) for each attention module from the module's own parts: a forward pre-hook
+captures the module's inputs and masks during an ordinary forward pass, then its ``queries`` and
+``keys_values`` project them exactly as its forward pass does. Training and decoding never call this.
 
 The pictures (docs/PAPER.md, "Attention pictures"): every head of encoder layer 5 of 6 on the
 long-distance sentence, and the two heads of that layer that attend most from "its" to "Law" and
@@ -15,8 +15,11 @@ and the title says so.
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -38,42 +41,85 @@ WORD_START = "\u2581"  # SentencePiece's mark of a piece that begins a word
 
 # --- the weights ---------------------------------------------------------------------------
 
-def attention_weights(attention: torch.nn.Module, x: Tensor, key_mask: Tensor | None) -> Tensor:
-    """Eq. 1's softmax(Q K^T / sqrt(d_k)) of a ``MultiHeadAttention`` attending from x to itself.
+def attention_weights(attention: torch.nn.Module, x: Tensor, key_mask: Tensor | None, source: Tensor | None = None,
+                      causal: bool = False) -> Tensor:
+    """Eq. 1's softmax(Q K^T / sqrt(d_k)) of a ``MultiHeadAttention`` attending from x to source (x itself
+    for self-attention), with the same key mask and causal mask as its forward pass.
 
-    x: (batch, len, d_model); key_mask: (batch, 1, 1, len), True where a key may be attended to
-    (``model.key_padding_mask``). Returns (batch, heads, len, len); padded keys get weight 0. The
-    model's own Eq. 1 with the identity for V: each query's output is then its row of weights.
+    x: (batch, queries, d_model); source: (batch, keys, d_model); key_mask: (batch, 1, 1, keys), True
+    where a key may be attended to (``model.key_padding_mask``). Returns (batch, heads, queries, keys);
+    padded and future keys get weight 0. The model's own Eq. 1 with the identity for V: each query's
+    output is then its row of weights.
     """
-    queries = attention.queries(x)  # (batch, heads, len, d_head)
-    keys, _ = attention.keys_values(x)  # (batch, heads, len, d_head)
+    queries = attention.queries(x)  # (batch, heads, queries, d_head)
+    keys, _ = attention.keys_values(x if source is None else source)  # (batch, heads, keys, d_head)
     length = keys.shape[-2]
     identity = torch.eye(length, dtype=keys.dtype, device=keys.device).expand(*keys.shape[:-2], length, length)
-    return scaled_dot_product_attention(queries, keys, identity, key_mask)  # (batch, heads, len, len)
+    return scaled_dot_product_attention(queries, keys, identity, key_mask, causal)  # (batch, heads, queries, keys)
 
 
-def encoder_self_attention(model: torch.nn.Module, src: Tensor, layer: int) -> Tensor:
-    """Self-attention weights (batch, heads, src_len, src_len) of encoder layer ``layer`` (from 0).
+@contextmanager
+def recorded_attention(modules: Mapping[str, Sequence[torch.nn.Module]]) -> Iterator[dict[str, list]]:
+    """While open, every call of a listed ``MultiHeadAttention`` records its Eq. 1 weights (``attention_weights``
+    of the call's own arguments): ``{name: [weights of modules[name][0], ...]}``, None for a module not called.
 
-    Runs the encoder in eval mode (no dropout, as at translation time) and restores the mode after.
+    The model attends through a fused kernel that never hands out the weights, so they are recomputed from
+    each call's inputs; the hooks are removed when the block ends.
     """
-    if not 0 <= layer < len(model.encoder):
-        raise UserError(f"encoder layer {layer} does not exist (the model has {len(model.encoder)}, counted from 0)")
-    captured: dict[str, Tensor] = {}
+    recorded = {name: [None] * len(listed) for name, listed in modules.items()}
+    handles = []
 
-    def keep_input(module, args):
-        captured["x"], captured["key_mask"] = args[0], args[1]
+    def recorder(name: str, index: int):
+        def record(module, args, kwargs):
+            call = inspect.signature(module.forward).bind(*args, **kwargs)
+            call.apply_defaults()
+            x, source = call.arguments["x"], call.arguments["source"]
+            recorded[name][index] = attention_weights(module, x, call.arguments["key_mask"],
+                                                      None if source is x else source, call.arguments["causal"])
+        return record
 
-    handle = model.encoder[layer].register_forward_pre_hook(keep_input)
+    try:
+        for name, listed in modules.items():
+            for index, module in enumerate(listed):
+                handles.append(module.register_forward_pre_hook(recorder(name, index), with_kwargs=True))
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def evaluated(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout, as at translation time) and no gradients; the model's mode restored after."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model.encode(src)
-            return attention_weights(model.encoder[layer].self_attention, captured["x"], captured["key_mask"])
+            yield
     finally:
-        handle.remove()
         model.train(was_training)
+
+
+def encoder_self_attention(model: torch.nn.Module, src: Tensor, layer: int) -> Tensor:
+    """Self-attention weights (batch, heads, src_len, src_len) of encoder layer ``layer`` (from 0)."""
+    if not 0 <= layer < len(model.encoder):
+        raise UserError(f"encoder layer {layer} does not exist (the model has {len(model.encoder)}, counted from 0)")
+    with evaluated(model), recorded_attention({"encoder": [model.encoder[layer].self_attention]}) as recorded:
+        model.encode(src)
+    return recorded["encoder"][0]
+
+
+def every_attention(model: torch.nn.Module, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+    """The weights of every attention module in one teacher-forced pass of ``src`` and ``tgt_in``:
+    ``{"encoder": [...], "decoder_self": [...], "cross": [...]}``, one tensor per layer, each
+    (batch, heads, queries, keys): encoder self-attention (src x src), the decoder's masked self-attention
+    (tgt x tgt) and encoder-decoder attention (tgt x src)."""
+    modules = {"encoder": [layer.self_attention for layer in model.encoder],
+               "decoder_self": [layer.self_attention for layer in model.decoder],
+               "cross": [layer.cross_attention for layer in model.decoder]}
+    with evaluated(model), recorded_attention(modules) as recorded:
+        model(src, tgt_in)
+    return recorded
 
 
 def paper_layer(n_layers: int) -> tuple[int, str]:
