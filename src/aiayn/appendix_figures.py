@@ -37,6 +37,9 @@ ANAPHORA = ("The Law will never be perfect, but its application should be just -
 PAPER_LAYER = 5  # "layer 5 of 6", counted from 1 as the paper does
 ANAPHORA_HEADS = 2  # the appendix shows two heads resolving "its"
 WORD_START = "\u2581"  # SentencePiece's mark of a piece that begins a word
+# More pieces a word than this, and the vocabulary was not learned on English like the paper's (the demo's,
+# learned on its synthetic language): the pictures say so, as their pattern cannot be the paper's.
+NEAR_CHARACTER_PIECES_PER_WORD = 2.0
 
 
 # --- the weights ---------------------------------------------------------------------------
@@ -170,6 +173,15 @@ def encode_sentence(processor, sentence: str) -> EncodedSentence:
 
 # --- the appendix pictures -------------------------------------------------------------------
 
+def vocabulary_note(sentence: EncodedSentence) -> str:
+    """What to expect where the vocabulary splits the paper's English into near-character pieces (the demo's)."""
+    pieces = len(sentence.ids) - 1  # without EOS
+    if pieces <= NEAR_CHARACTER_PIECES_PER_WORD * len(sentence.words):
+        return ""
+    return (f";\nthis vocabulary splits the sentence's {len(sentence.words)} words into {pieces} near-character "
+            "pieces (the demo's is learned on a small synthetic language), so expect no pattern like the paper's")
+
+
 def anaphora_heads(weights: Tensor, sentence: EncodedSentence,
                    count: int = ANAPHORA_HEADS) -> list[tuple[int, float, float]]:
     """The ``count`` heads whose attention from "its" puts the most weight on "Law" and "application".
@@ -198,10 +210,11 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     def weights_of(sentence: EncodedSentence) -> Tensor:
         return encoder_self_attention(model, torch.tensor([sentence.ids]), layer)[0]  # (heads, len, len)
 
-    def unknown_note(sentence: EncodedSentence) -> str:
-        if not sentence.unknown:
-            return ""
-        return f"; {sentence.unknown} of {len(sentence.ids)} pieces unknown to the vocabulary"
+    def notes(sentence: EncodedSentence) -> str:
+        note = vocabulary_note(sentence)
+        if sentence.unknown:
+            note += f"; {sentence.unknown} of {len(sentence.ids)} pieces unknown to the vocabulary"
+        return note
 
     long_distance = encode_sentence(processor, LONG_DISTANCE)
     weights = weights_of(long_distance)
@@ -210,7 +223,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
         weights.numpy(), long_distance.pieces, out_dir / ATTENTION_LONG_DISTANCE_FIGURE,
         title=f"Long-distance dependencies: every head of {layer_text}\n"
               f"(the paper: heads attend from \"making\" to \"more difficult\"; its row is outlined"
-              f"{unknown_note(long_distance)})",
+              f"{notes(long_distance)})",
         panel_titles=[f"head {head + 1}" for head in range(weights.shape[0])], highlight_rows=making)
 
     anaphora = encode_sentence(processor, ANAPHORA)
@@ -219,7 +232,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     anaphora_path = plots.plot_attention(
         weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / ATTENTION_ANAPHORA_FIGURE,
         title=f"Anaphora resolution: the heads of {layer_text} that attend most from \"its\" to \"Law\" and "
-              f"\"application\"\n(the row of \"its\" is outlined{unknown_note(anaphora)})",
+              f"\"application\"\n(the row of \"its\" is outlined{notes(anaphora)})",
         panel_titles=[f"head {head + 1}: its \u2192 Law {law:.2f}, \u2192 application {app:.2f}"
                       for head, law, app in chosen],
         highlight_rows=anaphora.positions("its"))
