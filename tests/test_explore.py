@@ -188,3 +188,22 @@ def test_bad_input_is_one_error_line_and_nothing_written(vocabulary, tmp_path, a
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr, result.stderr
     assert not (tmp_path / "page.html").exists()
+
+
+def test_the_report_writes_the_page_of_the_paper_and_dev_sentences_with_the_runs_search(vocabulary, tmp_path):  # noqa: F811
+    import argparse
+    import json
+
+    from aiayn.report import attention_explorer
+
+    model = save_tiny_model(tmp_path / "model.pt", vocabulary)
+    dev = tmp_path / "dev.en"
+    dev.write_text("the dog .\na cat .\nthe house .\nthe garden .\n", encoding="utf-8")
+    arguments = argparse.Namespace(attention_model=model, spm_model=vocabulary, explorer_dev=dev,
+                                   decode_json=json.dumps(SEARCH), out_dir=tmp_path / "report")
+    page = attention_explorer(arguments)
+    assert page == tmp_path / "report" / "attention_explorer.html"
+    data = read_page_data(page.read_text(encoding="utf-8"))
+    assert [sentence["source"] for sentence in data["sentences"]] == [LONG_DISTANCE, ANAPHORA, "the dog .", "a cat .",
+                                                                      "the house ."]
+    assert data["search"]["beam_size"] == SEARCH["beam_size"]
