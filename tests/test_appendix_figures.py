@@ -170,3 +170,27 @@ def test_a_title_wider_than_the_figure_is_wrapped_inside_it_above_the_panels():
     assert figure.bbox.x0 <= box.x0 and box.x1 <= figure.bbox.x1 and box.y1 <= figure.bbox.y1
     for axes in figure.axes[:2]:  # the heatmaps, not the colour bar
         assert box.y0 > axes.title.get_window_extent(renderer).y1
+
+
+def test_the_heatmaps_say_which_axis_attends_and_label_every_piece_at_a_readable_size():
+    from aiayn.plots import ATTENTION_TICK_FONTSIZE, attention_figure
+
+    tokens = [f"\u2581w{index}" for index in range(60)]  # as long as the demo's long-distance sentence
+    weights = torch.rand(4, 60, 60, generator=torch.Generator().manual_seed(0)).softmax(-1).numpy()
+    figure = attention_figure(weights, tokens, "title", [f"head {head}" for head in range(4)])
+    for axes in figure.axes[:4]:  # the heatmaps, not the colour bar
+        assert axes.get_xlabel().startswith("attending to") and axes.get_ylabel().startswith("attending from")
+        labels = axes.get_xticklabels() + axes.get_yticklabels()
+        assert len(labels) == 120 and {label.get_fontsize() for label in labels} == {ATTENTION_TICK_FONTSIZE}
+    assert ATTENTION_TICK_FONTSIZE >= 8
+
+
+def test_a_vocabulary_of_near_character_pieces_is_named_in_the_pictures(processor):
+    from aiayn.appendix_figures import EncodedSentence, vocabulary_note
+
+    split = encode_sentence(processor, LONG_DISTANCE)  # a vocabulary of 80 pieces: letters and a few pairs
+    assert "near-character pieces" in vocabulary_note(split) and "expect no pattern like the paper's" in vocabulary_note(split)
+    words = LONG_DISTANCE.split()
+    whole_words = EncodedSentence(list(range(4, 4 + len(words))) + [3], [f"\u2581{w}" for w in words] + ["</s>"],
+                                  list(range(len(words))) + [None], words)
+    assert vocabulary_note(whole_words) == ""

@@ -131,6 +131,12 @@ def test_the_report_tests_every_row_against_the_base_and_draws_the_pictures(demo
     for name in ("dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png"):
         data = (report / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
+    from aiayn.explore import read_page_data
+
+    explorer = read_page_data((report / "attention_explorer.html").read_text(encoding="utf-8"))
+    assert explorer["model"]["name"].endswith("demo_base/seed1/model.pt")
+    assert len(explorer["sentences"]) == 5  # the paper's two and the first three dev sentences
+    assert explorer["search"]["beam_size"] == 2  # the run's decode settings
 
 
 def test_the_report_is_logged_to_the_base_run_in_mlflow(demo_run):
@@ -140,7 +146,8 @@ def test_the_report_is_logged_to_the_base_run_in_mlflow(demo_run):
     run_id = json.loads((demo_run / "results" / "demo" / "train" / "demo_base" / "seed1" / "final.json").read_text())[
         "mlflow_run_id"]
     logged = {artifact.path for artifact in client.list_artifacts(run_id, "report")}
-    assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/attention_anaphora.png"} <= logged
+    assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/attention_anaphora.png",
+            "report/attention_explorer.html"} <= logged
 
 
 def test_a_second_run_has_nothing_to_do(demo_run):
@@ -153,7 +160,8 @@ def test_snakemake_builds_an_html_report_with_the_tables_and_pictures(demo_run):
     result = snakemake(demo_run, "--report", "report.html")
     assert result.returncode == 0, result.stderr[-3000:]
     html = (demo_run / "report.html").read_text(encoding="utf-8")
-    for text in ("Tables", "Figures", "Attention", "table3.csv", "dev_ppl.png", "attention_long_distance.png"):
+    for text in ("Tables", "Figures", "Attention", "table3.csv", "dev_ppl.png", "attention_long_distance.png",
+                 "attention_explorer.html"):
         assert text in html, text
 
 

@@ -1,11 +1,11 @@
-"""Encoder self-attention weights for the paper's appendix pictures; for visualisation only.
+"""Attention weights of a trained model, for the paper's appendix pictures and ``aiayn explore``;
+for visualisation only.
 
 The model attends through torch's ``scaled_dot_product_attention``, which fuses the softmax and never
 hands out the weights. To draw them, this module recomputes softmax(Q K^T / sqrt(d_k)) (the model's
-Eq. 1, with V the identity) for one encoder layer from that layer's own modules: a forward pre-hook
-captures the layer's input and padding mask during an ordinary ``encode``, then the attention
-module's ``queries`` and ``keys_values`` project it exactly as its forward pass does. Training and
-decoding never call this.
+Eq. 1, with V the identity) for each attention module from the module's own parts: a forward pre-hook
+captures the module's inputs and masks during an ordinary forward pass, then its ``queries`` and
+``keys_values`` project them exactly as its forward pass does. Training and decoding never call this.
 
 The pictures (docs/PAPER.md, "Attention pictures"): every head of encoder layer 5 of 6 on the
 long-distance sentence, and the two heads of that layer that attend most from "its" to "Law" and
@@ -15,8 +15,11 @@ and the title says so.
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -34,46 +37,92 @@ ANAPHORA = ("The Law will never be perfect, but its application should be just -
 PAPER_LAYER = 5  # "layer 5 of 6", counted from 1 as the paper does
 ANAPHORA_HEADS = 2  # the appendix shows two heads resolving "its"
 WORD_START = "\u2581"  # SentencePiece's mark of a piece that begins a word
+# More pieces a word than this, and the vocabulary was not learned on English like the paper's (the demo's,
+# learned on its synthetic language): the pictures say so, as their pattern cannot be the paper's.
+NEAR_CHARACTER_PIECES_PER_WORD = 2.0
 
 
 # --- the weights ---------------------------------------------------------------------------
 
-def attention_weights(attention: torch.nn.Module, x: Tensor, key_mask: Tensor | None) -> Tensor:
-    """Eq. 1's softmax(Q K^T / sqrt(d_k)) of a ``MultiHeadAttention`` attending from x to itself.
+def attention_weights(attention: torch.nn.Module, x: Tensor, key_mask: Tensor | None, source: Tensor | None = None,
+                      causal: bool = False) -> Tensor:
+    """Eq. 1's softmax(Q K^T / sqrt(d_k)) of a ``MultiHeadAttention`` attending from x to source (x itself
+    for self-attention), with the same key mask and causal mask as its forward pass.
 
-    x: (batch, len, d_model); key_mask: (batch, 1, 1, len), True where a key may be attended to
-    (``model.key_padding_mask``). Returns (batch, heads, len, len); padded keys get weight 0. The
-    model's own Eq. 1 with the identity for V: each query's output is then its row of weights.
+    x: (batch, queries, d_model); source: (batch, keys, d_model); key_mask: (batch, 1, 1, keys), True
+    where a key may be attended to (``model.key_padding_mask``). Returns (batch, heads, queries, keys);
+    padded and future keys get weight 0. The model's own Eq. 1 with the identity for V: each query's
+    output is then its row of weights.
     """
-    queries = attention.queries(x)  # (batch, heads, len, d_head)
-    keys, _ = attention.keys_values(x)  # (batch, heads, len, d_head)
+    queries = attention.queries(x)  # (batch, heads, queries, d_head)
+    keys, _ = attention.keys_values(x if source is None else source)  # (batch, heads, keys, d_head)
     length = keys.shape[-2]
     identity = torch.eye(length, dtype=keys.dtype, device=keys.device).expand(*keys.shape[:-2], length, length)
-    return scaled_dot_product_attention(queries, keys, identity, key_mask)  # (batch, heads, len, len)
+    return scaled_dot_product_attention(queries, keys, identity, key_mask, causal)  # (batch, heads, queries, keys)
 
 
-def encoder_self_attention(model: torch.nn.Module, src: Tensor, layer: int) -> Tensor:
-    """Self-attention weights (batch, heads, src_len, src_len) of encoder layer ``layer`` (from 0).
+@contextmanager
+def recorded_attention(modules: Mapping[str, Sequence[torch.nn.Module]]) -> Iterator[dict[str, list]]:
+    """While open, every call of a listed ``MultiHeadAttention`` records its Eq. 1 weights (``attention_weights``
+    of the call's own arguments): ``{name: [weights of modules[name][0], ...]}``, None for a module not called.
 
-    Runs the encoder in eval mode (no dropout, as at translation time) and restores the mode after.
+    The model attends through a fused kernel that never hands out the weights, so they are recomputed from
+    each call's inputs; the hooks are removed when the block ends.
     """
-    if not 0 <= layer < len(model.encoder):
-        raise UserError(f"encoder layer {layer} does not exist (the model has {len(model.encoder)}, counted from 0)")
-    captured: dict[str, Tensor] = {}
+    recorded = {name: [None] * len(listed) for name, listed in modules.items()}
+    handles = []
 
-    def keep_input(module, args):
-        captured["x"], captured["key_mask"] = args[0], args[1]
+    def recorder(name: str, index: int):
+        def record(module, args, kwargs):
+            call = inspect.signature(module.forward).bind(*args, **kwargs)
+            call.apply_defaults()
+            x, source = call.arguments["x"], call.arguments["source"]
+            recorded[name][index] = attention_weights(module, x, call.arguments["key_mask"],
+                                                      None if source is x else source, call.arguments["causal"])
+        return record
 
-    handle = model.encoder[layer].register_forward_pre_hook(keep_input)
+    try:
+        for name, listed in modules.items():
+            for index, module in enumerate(listed):
+                handles.append(module.register_forward_pre_hook(recorder(name, index), with_kwargs=True))
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def evaluated(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout, as at translation time) and no gradients; the model's mode restored after."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            model.encode(src)
-            return attention_weights(model.encoder[layer].self_attention, captured["x"], captured["key_mask"])
+            yield
     finally:
-        handle.remove()
         model.train(was_training)
+
+
+def encoder_self_attention(model: torch.nn.Module, src: Tensor, layer: int) -> Tensor:
+    """Self-attention weights (batch, heads, src_len, src_len) of encoder layer ``layer`` (from 0)."""
+    if not 0 <= layer < len(model.encoder):
+        raise UserError(f"encoder layer {layer} does not exist (the model has {len(model.encoder)}, counted from 0)")
+    with evaluated(model), recorded_attention({"encoder": [model.encoder[layer].self_attention]}) as recorded:
+        model.encode(src)
+    return recorded["encoder"][0]
+
+
+def every_attention(model: torch.nn.Module, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+    """The weights of every attention module in one teacher-forced pass of ``src`` and ``tgt_in``:
+    ``{"encoder": [...], "decoder_self": [...], "cross": [...]}``, one tensor per layer, each
+    (batch, heads, queries, keys): encoder self-attention (src x src), the decoder's masked self-attention
+    (tgt x tgt) and encoder-decoder attention (tgt x src)."""
+    modules = {"encoder": [layer.self_attention for layer in model.encoder],
+               "decoder_self": [layer.self_attention for layer in model.decoder],
+               "cross": [layer.cross_attention for layer in model.decoder]}
+    with evaluated(model), recorded_attention(modules) as recorded:
+        model(src, tgt_in)
+    return recorded
 
 
 def paper_layer(n_layers: int) -> tuple[int, str]:
@@ -124,6 +173,15 @@ def encode_sentence(processor, sentence: str) -> EncodedSentence:
 
 # --- the appendix pictures -------------------------------------------------------------------
 
+def vocabulary_note(sentence: EncodedSentence) -> str:
+    """What to expect where the vocabulary splits the paper's English into near-character pieces (the demo's)."""
+    pieces = len(sentence.ids) - 1  # without EOS
+    if pieces <= NEAR_CHARACTER_PIECES_PER_WORD * len(sentence.words):
+        return ""
+    return (f";\nthis vocabulary splits the sentence's {len(sentence.words)} words into {pieces} near-character "
+            "pieces (the demo's is learned on a small synthetic language), so expect no pattern like the paper's")
+
+
 def anaphora_heads(weights: Tensor, sentence: EncodedSentence,
                    count: int = ANAPHORA_HEADS) -> list[tuple[int, float, float]]:
     """The ``count`` heads whose attention from "its" puts the most weight on "Law" and "application".
@@ -152,10 +210,11 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     def weights_of(sentence: EncodedSentence) -> Tensor:
         return encoder_self_attention(model, torch.tensor([sentence.ids]), layer)[0]  # (heads, len, len)
 
-    def unknown_note(sentence: EncodedSentence) -> str:
-        if not sentence.unknown:
-            return ""
-        return f"; {sentence.unknown} of {len(sentence.ids)} pieces unknown to the vocabulary"
+    def notes(sentence: EncodedSentence) -> str:
+        note = vocabulary_note(sentence)
+        if sentence.unknown:
+            note += f"; {sentence.unknown} of {len(sentence.ids)} pieces unknown to the vocabulary"
+        return note
 
     long_distance = encode_sentence(processor, LONG_DISTANCE)
     weights = weights_of(long_distance)
@@ -164,7 +223,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
         weights.numpy(), long_distance.pieces, out_dir / ATTENTION_LONG_DISTANCE_FIGURE,
         title=f"Long-distance dependencies: every head of {layer_text}\n"
               f"(the paper: heads attend from \"making\" to \"more difficult\"; its row is outlined"
-              f"{unknown_note(long_distance)})",
+              f"{notes(long_distance)})",
         panel_titles=[f"head {head + 1}" for head in range(weights.shape[0])], highlight_rows=making)
 
     anaphora = encode_sentence(processor, ANAPHORA)
@@ -173,7 +232,7 @@ def appendix_figures(model_path: str | Path, spm_model: str | Path, out_dir: str
     anaphora_path = plots.plot_attention(
         weights[[head for head, _, _ in chosen]].numpy(), anaphora.pieces, out_dir / ATTENTION_ANAPHORA_FIGURE,
         title=f"Anaphora resolution: the heads of {layer_text} that attend most from \"its\" to \"Law\" and "
-              f"\"application\"\n(the row of \"its\" is outlined{unknown_note(anaphora)})",
+              f"\"application\"\n(the row of \"its\" is outlined{notes(anaphora)})",
         panel_titles=[f"head {head + 1}: its \u2192 Law {law:.2f}, \u2192 application {app:.2f}"
                       for head, law, app in chosen],
         highlight_rows=anaphora.positions("its"))

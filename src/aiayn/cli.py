@@ -19,6 +19,7 @@ COMMANDS = {
     "translate": ("aiayn.translate", "translate stdin to stdout with a trained model"),
     "score": ("aiayn.score", "sacreBLEU, paper-comparable tokenized BLEU and chrF"),
     "report": ("aiayn.report", "Table 2 and Table 3 beside the paper's numbers"),
+    "explore": ("aiayn.explore", "an HTML page of every attention layer and head of a model"),
     "compare": ("aiayn.compare", "compare runs from MLflow"),
     "export": ("aiayn.export", "a trained model as CTranslate2 or Hugging Face (Marian)"),
 }

@@ -54,3 +54,4 @@ DEV_PPL_FIGURE = "dev_ppl.png"
 TABLE3_BLEU_FIGURE = "table3_bleu.png"
 ATTENTION_LONG_DISTANCE_FIGURE = "attention_long_distance.png"
 ATTENTION_ANAPHORA_FIGURE = "attention_anaphora.png"
+ATTENTION_EXPLORER = "attention_explorer.html"  # aiayn explore's page of the same model

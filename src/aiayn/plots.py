@@ -169,6 +169,8 @@ def plot_attention(weights, tokens: Sequence[str], path: str | Path, title: str,
 
 
 TITLE_FONTSIZE = 11
+ATTENTION_TICK_FONTSIZE = 8  # points: a piece's label is readable at the figure's own size
+ATTENTION_PANEL_MAX_INCHES = 16.0  # beyond this a long sentence's labels shrink instead
 
 
 def wrap_to_width(figure, text: str, fontsize: float, inches: float) -> list[str]:
@@ -199,8 +201,9 @@ def attention_figure(weights, tokens: Sequence[str], title: str, panel_titles: S
                      highlight_rows: Sequence[int] = (), columns: int | None = None):
     """Attention heatmaps, one panel per head: rows attend (queries), columns are attended to (keys).
 
-    weights: (panels, len, len) array with rows summing to 1; tokens label both axes. The rows in
-    ``highlight_rows`` (the pieces of the word the paper discusses) are outlined together. The colour
+    weights: (panels, len, len) array with rows summing to 1; tokens label both axes, at
+    ``ATTENTION_TICK_FONTSIZE`` unless the sentence is too long for ``ATTENTION_PANEL_MAX_INCHES``. The rows
+    in ``highlight_rows`` (the pieces of the word the paper discusses) are outlined together. The colour
     scale runs from 0 to the largest weight of the figure, shared by its panels, so that the diffuse
     attention of a long sentence is still visible and panels stay comparable.
     """
@@ -213,12 +216,13 @@ def attention_figure(weights, tokens: Sequence[str], title: str, panel_titles: S
         columns = 4 if panels > 4 else min(panels, 2)
     columns = max(1, min(columns, panels))
     rows = math.ceil(panels / columns)
-    # Each panel grows with the sentence so that every piece keeps a readable label.
-    inches = min(max(1.0 + 0.09 * length, 3.5), 10.0)
-    fontsize = min(max(0.75 * inches * 72 / length, 2.5), 9.0)
+    # Each panel grows with the sentence so that every piece keeps a label of a readable size.
+    inches = min(max(1.25 * ATTENTION_TICK_FONTSIZE / 72 * length, 3.5), ATTENTION_PANEL_MAX_INCHES)
+    fontsize = min(ATTENTION_TICK_FONTSIZE, 0.8 * inches * 72 / max(length, 1))
     # Margins are computed from the longest label instead of by a layout engine, which would measure
     # every one of the (heads x 2 x len) tick labels once more before drawing: half the time of a figure.
-    labels = 0.2 + 0.65 * fontsize / 72 * max((len(token) for token in tokens), default=1)
+    axis_title = 0.3  # the line that says which axis attends
+    labels = 0.2 + 0.65 * fontsize / 72 * max((len(token) for token in tokens), default=1) + axis_title
     title_space, gap, colourbar = 0.35, 0.3, 1.1
     cell_width, cell_height = labels + inches + gap, title_space + inches + labels + gap
     width = columns * cell_width + colourbar
@@ -238,6 +242,8 @@ def attention_figure(weights, tokens: Sequence[str], title: str, panel_titles: S
         axes.set_xticks(range(length), tokens, rotation=90, fontsize=fontsize)
         axes.set_yticks(range(length), tokens, fontsize=fontsize)
         axes.tick_params(length=0, pad=1)
+        axes.set_xlabel("attending to (keys)", fontsize=9)
+        axes.set_ylabel("attending from (queries)", fontsize=9)
         if len(highlight_rows):
             first, last = min(highlight_rows), max(highlight_rows)
             axes.add_patch(Rectangle((-0.5, first - 0.5), length, last - first + 1, fill=False, edgecolor="red",

@@ -8,7 +8,8 @@ of a preset are summarised as mean and standard deviation.
 
 Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
 paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
-(aiayn.appendix_figures). Tables and pictures are logged as artifacts of the base model's MLflow run.
+(aiayn.appendix_figures) and the attention explorer's page of the same model (aiayn.explore). Tables,
+pictures and page are logged as artifacts of the base model's MLflow run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Sequence
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import atomic_path, read_lines, refuse_overwriting_inputs, write_text_atomic
-from aiayn.layout import DEV_PPL_FIGURE, METRICS, TABLE3_BLEU_FIGURE, TABLES
+from aiayn.layout import ATTENTION_EXPLORER, DEV_PPL_FIGURE, METRICS, TABLE3_BLEU_FIGURE, TABLES
 
 BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
 BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
@@ -304,6 +305,25 @@ def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
             for final, dev, test, translated in zip(args.runs, args.dev_scores, args.test_scores, translations)]
 
 
+def attention_explorer(args: argparse.Namespace) -> Path:
+    """The attention explorer's page of --attention-model (aiayn.explore), on the paper's two sentences and the
+    first of --explorer-dev, translated with --decode-json's search."""
+    from aiayn.config import check_section, section_defaults
+    from aiayn.decode import DecodeSettings
+    from aiayn.explore import default_sentences, write_explorer
+
+    if args.decode_json is None:
+        section = section_defaults("decode")
+    else:
+        try:
+            section = check_section("decode", json.loads(args.decode_json), "--decode-json")
+        except json.JSONDecodeError as error:
+            raise UserError(f"--decode-json is not valid JSON ({error})") from None
+    written = write_explorer(args.attention_model, args.spm_model, default_sentences(args.explorer_dev),
+                             Path(args.out_dir) / ATTENTION_EXPLORER, DecodeSettings.from_section(section))
+    return written["path"]
+
+
 @cli
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
@@ -325,15 +345,20 @@ def main(argv=None):
     parser.add_argument("--attention-model", type=Path,
                         help="the base model (model.pt or final.pt): draw the appendix's attention heatmaps")
     parser.add_argument("--spm-model", type=Path, help="the vocabulary of --attention-model")
+    parser.add_argument("--explorer-dev", type=Path,
+                        help="dev source text: its first sentences join the paper's two on the attention explorer's page")
+    parser.add_argument("--decode-json", help="the `decode` section as JSON: the explorer's translations are searched "
+                                              "with it (default: the schema's)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
     args = parser.parse_args(argv)
     refuse_overwriting_inputs(
         {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
-                       "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png")]},
+                       "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png",
+                       ATTENTION_EXPLORER)]},
         {"--runs": args.runs, "--dev-scores": args.dev_scores, "--test-scores": args.test_scores,
          "--dev-translations": args.dev_translations, "--dev-references": args.dev_references,
-         "--attention-model": args.attention_model, "--spm-model": args.spm_model})
+         "--attention-model": args.attention_model, "--spm-model": args.spm_model, "--explorer-dev": args.explorer_dev})
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
     try:
@@ -348,6 +373,7 @@ def main(argv=None):
 
         drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
         files += [drawn["long_distance"], drawn["anaphora"]]
+        files.append(attention_explorer(args))
     run_file = base_run_file(report)
     if not args.no_tracking and run_file is None:
         print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)

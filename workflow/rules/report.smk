@@ -15,6 +15,7 @@ rule report:
         test_scores=for_every_run(rules.score.output[0], split="test"),
         dev_translations=for_every_run(rules.decode.output[0], split="dev"),
         dev_references=data_text("dev", TGT),
+        dev_sources=data_text("dev", SRC),  # the first few join the paper's two on the attention explorer
         attention_model=for_run(rules.average.output.model, {"model": REPORT_BASE, "seed": config["seeds"][0]}),
         spm_model=rules.bpe.output.model,
     output:
@@ -36,6 +37,11 @@ rule report:
             caption="../report/attention_anaphora.rst",
             category="Attention",
         ),
+        attention_explorer=report(
+            f"{REPORT}/{layout.ATTENTION_EXPLORER}",
+            caption="../report/attention_explorer.rst",
+            category="Attention",
+        ),
     params:
         # the presets in the order of `models` (the tables' order), each preset's keys sorted, so that
         # reordering the keys of a config file changes no params (which would rerun the report)
@@ -43,6 +49,7 @@ rule report:
                            separators=(",", ":")),
         out_dir=lambda w, output: Path(output.table3_csv).parent,
         base=REPORT_BASE,
+        decode=output_settings("decode"),  # the explorer's translations are searched as the decode stage's
         tracking_uri=config["tracking_uri"],
     log:
         log_file("report"),
@@ -56,4 +63,5 @@ rule report:
         "--runs {input.runs} --dev-scores {input.dev_scores} --test-scores {input.test_scores} "
         "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
+        "--explorer-dev {input.dev_sources} --decode-json {params.decode:q} "
         "--tracking-uri {params.tracking_uri:q}"
