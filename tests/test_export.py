@@ -161,13 +161,31 @@ def test_huggingface_greedy_generate_translates_as_our_greedy_search(tmp_path, t
 
 
 def test_ctranslate2_export_translates_as_our_greedy_and_beam_search(tmp_path, trained, test_sources):
+    """Token for token, except where a beam runs to the length limit (source length + 50) without EOS.
+
+    There the engines rank differently by design: ours forces EOS at the limit and counts its log-prob
+    (as fairseq does); CTranslate2 stops without it. Such outputs are the degenerate loops of a barely
+    trained model; which of them each engine keeps depends on the CPU's arithmetic (on an AVX2-only
+    CPU the trained weights differ and some do). Both must then have hit the limit, and most sentences
+    must still be compared."""
     need("ctranslate2")
     model, spm_model = trained
     export_ctranslate2(model, pieces_of(spm_model), tmp_path / "ct2")
+    limits = [len(source) + 50 for source in test_sources]  # the source counts its EOS, as ours does
     for beam in (1, 4):
         ours = our_outputs(model, test_sources, beam, alpha=0.0)
         assert sum(len(output) for output in ours) > 3 * len(ours)  # real translations, not empty ones
-        assert ctranslate2_outputs(tmp_path / "ct2", spm_model, test_sources, beam, alpha=0.0) == ours
+        theirs = ctranslate2_outputs(tmp_path / "ct2", spm_model, test_sources, beam, alpha=0.0)
+        if beam == 1:  # one hypothesis: the forced EOS changes no choice, so every sentence must agree
+            assert theirs == ours
+            continue
+        at_limit = {index for index, limit in enumerate(limits)
+                    if len(ours[index]) == limit or len(theirs[index]) == limit}
+        for index in at_limit:
+            assert len(ours[index]) == len(theirs[index]) == limits[index], f"sentence {index}"
+        compared = [index for index in range(len(ours)) if index not in at_limit]
+        assert len(compared) >= 2 * len(ours) // 3
+        assert [theirs[index] for index in compared] == [ours[index] for index in compared]
 
 
 def test_ctranslate2_int8_export_is_smaller_and_still_translates(tmp_path, trained, test_sources):
