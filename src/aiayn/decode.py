@@ -97,6 +97,8 @@ def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[in
         _refuse_learned_overflow(config.max_positions, lengths, lines, source)
     if max_source_tokens is None:
         return
+    if isinstance(max_source_tokens, bool) or not isinstance(max_source_tokens, int) or max_source_tokens < 1:
+        raise UserError(f"max_source_tokens = {max_source_tokens!r} must be a whole number of at least 1")
     too_long = [(line + 1, length) for line, length in zip(lines, lengths) if length - 1 > max_source_tokens]
     if too_long:
         raise UserError(
