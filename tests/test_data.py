@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -40,17 +42,27 @@ def test_parquet_in_the_hub_translation_layout_goes_through_local(tmp_path):
     assert (tmp_path / "out" / "dev.de").read_text(encoding="utf-8").splitlines() == [t for _, t in pairs]
 
 
+def parquet_splits(path: Path) -> dict:
+    """One parquet file as the three splits of data.local, each split its own copy (a test split that is
+    the training data is refused)."""
+    local = {}
+    for split in ("train", "dev", "test"):
+        shutil.copyfile(path, path.with_name(f"{split}-{path.name}"))
+        local[split] = {"parquet": str(path.with_name(f"{split}-{path.name}"))}
+    return local
+
+
 def test_parquet_with_one_column_per_language_goes_through_local(tmp_path):
     pairs = make_pairs(20, seed=4)
     pq.write_table(pa.table({"en": [s for s, _ in pairs], "de": [t for _, t in pairs]}), tmp_path / "m.parquet")
-    local = {split: {"parquet": str(tmp_path / "m.parquet")} for split in ("train", "dev", "test")}
+    local = parquet_splits(tmp_path / "m.parquet")
     download(data_section(local=local), tmp_path / "out")
     assert (tmp_path / "out" / "test.de").read_text(encoding="utf-8").splitlines() == [t for _, t in pairs]
 
 
 def test_parquet_without_the_language_names_the_fields(tmp_path):
     pq.write_table(pa.table({"translation": [{"fr": "x", "en": "y"}]}), tmp_path / "t.parquet")
-    local = {split: {"parquet": str(tmp_path / "t.parquet")} for split in ("train", "dev", "test")}
+    local = parquet_splits(tmp_path / "t.parquet")
     with pytest.raises(UserError, match=r"no language 'de' \(it has"):
         download(data_section(local=local), tmp_path / "out")
 
@@ -78,7 +90,7 @@ def test_evaluation_splits_are_never_filtered(tmp_path):
 def test_an_embedded_line_break_does_not_shift_later_lines(tmp_path):
     table = pa.table({"translation": [{"en": "one\ntwo", "de": "eins"}, {"en": "three", "de": "drei"}]})
     pq.write_table(table, tmp_path / "t.parquet")
-    local = {split: {"parquet": str(tmp_path / "t.parquet")} for split in ("train", "dev", "test")}
+    local = parquet_splits(tmp_path / "t.parquet")
     summary = download(data_section(local=local), tmp_path / "out")
     assert (tmp_path / "out" / "dev.en").read_text(encoding="utf-8") == "one two\nthree\n"
     assert summary["splits"]["dev"]["newlines_replaced"] == 1
@@ -202,7 +214,7 @@ def test_parquet_rows_without_a_language_are_counted_over_the_split(tmp_path, mo
     monkeypatch.setattr(data, "BATCH_PAIRS", 2)
     rows = [{"en": "a", "de": "b"}, {"en": "c", "de": "d"}, {"en": None, "de": "e"}, {"en": "f", "de": None}]
     pq.write_table(pa.table({"translation": rows}), tmp_path / "t.parquet")
-    local = {split: {"parquet": str(tmp_path / "t.parquet")} for split in ("train", "dev", "test")}
+    local = parquet_splits(tmp_path / "t.parquet")
     with pytest.raises(UserError, match=r"row 2 has no 'en' or 'de' text \(2 such rows\)"):
         download(data_section(local=local), tmp_path / "out")
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs
+from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs, same_file
 from aiayn.layout import SPLIT_ARRAYS, SPLIT_META
 
 CHUNK_PAIRS = 20_000
@@ -49,6 +49,8 @@ def _encode_chunk(chunk: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.nd
     src_lines, tgt_lines = chunk
     out = []
     for lines in (src_lines, tgt_lines):
+        # a line of whitespace alone is empty (as the download stage strips it), not a sentence of spaces
+        lines = [line if line.strip() else "" for line in lines]
         # one thread: SentencePiece's batch encode would otherwise start a thread per core of the machine
         # in every worker, using cores the job did not ask for; the workers are the parallelism
         pieces = _processor.encode(lines, out_type=int, num_threads=1)
@@ -167,6 +169,9 @@ def binarize_split(
     """
     refuse_overwriting_inputs({}, {"--src": src_path, "--tgt": tgt_path, "--spm-model": model_path},
                               {"--out-dir": out_dir})  # the folder is replaced as a whole
+    if same_file(src_path, tgt_path):
+        raise UserError(f"--src {src_path} and --tgt {tgt_path} are one file: a parallel corpus pairs each "
+                        "sentence with its translation; give the target language's file as --tgt")
     if workers < 1:
         raise UserError(f"--workers {workers} must be at least 1")
     if max_tokens is not None and max_tokens < 1:

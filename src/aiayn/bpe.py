@@ -7,16 +7,18 @@ special symbols so that every later stage can rely on them (``aiayn.tokens``).
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterator
 
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (
     GZIP_MAGIC, atomic_path, count_lines, decompressed_name, fingerprint_files, input_exists,
-    iter_lines, open_input, prepare_output, refuse_overwriting_inputs, write_json_atomic,
+    iter_lines, open_input, prepare_output, refuse_overwriting_inputs, same_file, write_json_atomic,
 )
 from aiayn.layout import BPE_INFO, SPM_MODEL, SPM_PREFIX, SPM_VOCAB
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -136,6 +138,11 @@ def check_training_text(train_files: list[str | Path]) -> int:
                 f"{path} {what}: there is no text to learn a vocabulary from (a shared vocabulary needs both "
                 "sides of the training data; check the download stage's output and its log)"
             )
+    for index, path in enumerate(train_files):
+        if again := next((other for other in train_files[:index] if same_file(other, path)), None):
+            print(f"warning: {path} is {again} given again: its lines count twice in the vocabulary's sample, and "
+                  "a shared vocabulary is meant to be learned from both sides of the training data (source and "
+                  "target files)", file=sys.stderr)
     return lines
 
 
@@ -150,7 +157,9 @@ def training_lines(train_files: list[str | Path], progress) -> Iterator[bytes]:
     for path in train_files:
         done = 0
         with open(path, "rb") as handle:
-            for line in handle:
+            for number, line in enumerate(handle):
+                if number == 0:  # a byte-order mark is not text (the other readers of aiayn.fileio drop it too)
+                    line = line.removeprefix(codecs.BOM_UTF8)
                 yield line[:-1] if line.endswith(b"\n") else line
                 done += 1
                 if done == PROGRESS_EVERY:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from aiayn.config_files import check_command_line_configfiles, check_config_files, load_yaml  # noqa: F401
 from aiayn.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,65 +29,42 @@ PRESET_KEYS = (
 MODEL_KEYS = ("n_layers", "d_model", "d_ff", "n_heads", "d_head", "d_value", "dropout", "positional", "max_positions")
 
 
-def load_yaml(path: str | Path) -> dict:
-    import yaml
+class ConfigOverrides(str):
+    """Values given on the command line (Snakemake's ``--config KEY=VALUE``) as one of the config's
+    sources: it reads ``--config`` where sources are listed, and holds the values, so that a wrong
+    value set there is blamed on the override that set it, not on a file that the override replaced."""
 
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: config file not found")
-    if path.is_dir():
-        raise UserError(f"{path}: a folder, not a config file (a YAML file of keys and values)")
+    values: dict
+
+    def __new__(cls, values: dict) -> "ConfigOverrides":
+        source = super().__new__(cls, "--config")
+        source.values = dict(values)
+        return source
+
+    def blame(self, key_path: Sequence[Any]) -> str:
+        """``--config KEY=VALUE`` for the override that sets ``key_path``, as it could have been typed."""
+        import yaml
+
+        key = key_path[0]
+        text = yaml.safe_dump(self.values[key], default_flow_style=True, width=10**6).strip()
+        text = text.removesuffix("...").strip()
+        return f"--config {key}={text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _source_values(source: str) -> Any:
+    """What one source sets: an override's values, a file's mapping (None where it cannot be read)."""
+    if isinstance(source, ConfigOverrides):
+        return source.values
+    if source == "--config":
+        return None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise UserError(yaml_error_message(path, error)) from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text (a config file is YAML: keys and values)") from None
-    except OSError as error:
-        raise UserError(f"{path}: cannot read the config file ({error.strerror})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: a config file must be a mapping of keys to values, got {type(data).__name__}")
-    return data
+        return load_yaml(source)
+    except UserError:
+        return None
 
 
-def yaml_error_message(path: str | Path, error) -> str:
-    """A YAML syntax error as one line that names the file, line and column (YAML's marks count from 0)."""
-    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
-    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
-    problem = getattr(error, "problem", None) or str(error)
-    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
-    if context and context_mark and context_mark is not mark:
-        problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
-    return f"{where}: not valid YAML: {problem}"
-
-
-def check_command_line_configfiles(argv: Sequence[str]) -> None:
-    """Snakemake reads its --configfile files before the Snakefile, and a syntax error there ends it
-    with "Config file is not valid JSON or YAML", no file named, exit status 1. The workflow's default
-    profile (profiles/default/config.yaml), which Snakemake reads before that, calls this with the
-    command line: a file that is missing or not YAML prints `error: <file>, line, column: ...` and
-    exits with status 2, as every other config error does."""
-    import sys
-
-    files, reading = [], False
-    for argument in argv:
-        if argument in ("--configfile", "--configfiles"):
-            reading = True
-        elif argument.startswith(("--configfile=", "--configfiles=")):
-            files.append(argument.split("=", 1)[1])
-            reading = False
-        elif argument.startswith("-"):
-            reading = False
-        elif reading:
-            files.append(argument)
-    for file in files:
-        try:
-            load_yaml(file)
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
+def _blame(source: str, key_path: Sequence[Any]) -> str:
+    return source.blame(key_path) if isinstance(source, ConfigOverrides) else source
 
 
 def merge(base: dict, update: dict) -> dict:
@@ -108,7 +86,7 @@ def load_config(paths: Sequence[str | Path], overrides: dict | None = None) -> d
         config = merge(config, load_yaml(path))
     if overrides:
         config = merge(config, overrides)
-        sources.append("--config")
+        sources.append(ConfigOverrides(overrides))
     return check_config(config, sources)
 
 
@@ -122,11 +100,8 @@ def _key_text(path: Iterable[Any]) -> str:
 def _defined_in(key_path: Sequence[Any], sources: Sequence[str]) -> str:
     """The last source that sets ``key_path`` (the one whose value won the merge)."""
     for source in reversed(sources):
-        if source == "--config":
-            continue
-        try:
-            node: Any = load_yaml(source)
-        except UserError:
+        node = _source_values(source)
+        if node is None or (isinstance(source, ConfigOverrides) and not key_path):
             continue
         for part in key_path:
             if isinstance(node, dict) and part in node:
@@ -136,7 +111,7 @@ def _defined_in(key_path: Sequence[Any], sources: Sequence[str]) -> str:
             else:
                 break
         else:
-            return source
+            return _blame(source, key_path)
     return sources[-1] if sources else "config"
 
 
@@ -159,9 +134,23 @@ def _schema_error_message(error, sources: Sequence[str]) -> str:
             "; the demo's config/config.yaml is not read under yours: to build on it, name it first, "
             "--configfile config/config.yaml " + str(sources[-1] if sources else "yours.yaml"))
         return f"{where}: {error.message} at {key} (see config/README.md{demo})"
+    if error.validator == "type" and isinstance(error.instance, float) and "integer" in error.validator_value:
+        whole = f"write {int(error.instance)}" if error.instance.is_integer() else "a whole number is needed"
+        return f"{where}: {key} = {error.instance!r} is not a whole number as written ({whole}, without a decimal point)"
     description = error.schema.get("description")
     extra = f" ({description})" if description else ""
     return f"{where}: {key} = {error.instance!r}: {error.message}{extra}"
+
+
+def _validator(schema: dict):
+    """JSON Schema's draft 2020-12, except that an integer is written as one: the standard counts 32.0 as
+    the integer 32, which a layer size or a step count then takes as a float, failing later or not at all."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    checker = base.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(base, type_checker=checker)(schema)
 
 
 def check_config(config: dict, sources: Sequence[str]) -> dict:
@@ -175,10 +164,11 @@ def check_config(config: dict, sources: Sequence[str]) -> dict:
     from snakemake.utils import validate
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), sources))
+    _check_data_source(config.get("data", {}), lambda key: _defined_in(["data", key], sources))
     config = copy.deepcopy(config)
     try:
         validate(config, str(SCHEMA_PATH), set_default=True)
@@ -187,6 +177,20 @@ def check_config(config: dict, sources: Sequence[str]) -> dict:
     for name in config["models"]:
         resolve_preset(config, name, sources)
     return config
+
+
+def _check_data_source(data: dict, where) -> None:
+    """Refuse data.local or data.hub set with data.source left out: the source's default, the demo, would
+    then train on 30,000 generated pairs in place of the data the user named. ``where(key)``: who set it."""
+    if "source" in data:
+        return
+    named = [key for key, is_set in (("local", any((data.get("local") or {}).values())),  # a split's files
+                                      ("hub", bool(data.get("hub")))) if is_set]
+    if named:
+        raise UserError(
+            f"{where(named[0])}: data.{named[0]} is set but data.source is not, so the demo's generated corpus "
+            f"would be used (data.source defaults to demo), not your data; set data.source: {named[0]} (or remove "
+            f"data.{named[0]} to train on the demo)")
 
 
 def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)) -> dict:
@@ -238,14 +242,11 @@ def _heads_set_in(chain: Sequence[str], sources: Sequence[str]) -> str:
     d_head in the most specific preset of the `inherit` chain that sets any of them."""
     for preset_name in chain:
         for source in reversed(sources):
-            if source == "--config":
-                continue
-            try:
-                preset = load_yaml(source).get("presets", {}).get(preset_name)
-            except (UserError, AttributeError):
-                continue
+            values = _source_values(source)
+            presets = values.get("presets") if isinstance(values, dict) else None
+            preset = presets.get(preset_name) if isinstance(presets, dict) else None
             if isinstance(preset, dict) and {"n_heads", "d_model", "d_head"} & set(preset):
-                return source
+                return _blame(source, ["presets"])
     return sources[-1] if sources else "config"
 
 
@@ -333,12 +334,14 @@ def check_section(section: str, values: Any, source: str) -> dict:
     checked against its part of the schema and filled with the schema's defaults, as a whole config is."""
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(section_schema(section))
+    validator = _validator(section_schema(section))
     errors = sorted(validator.iter_errors(values), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         error = jsonschema.exceptions.best_match(errors)
         error.path.appendleft(section)
         raise UserError(_schema_error_message(error, [source]))
+    if section == "data":
+        _check_data_source(values, lambda key: source)
     values = copy.deepcopy(values)
     _fill_defaults(section_schema(section), values)
     return values

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator
 from aiayn.errors import UserError, cli
 from aiayn.fileio import (count_lines, iter_lines, prepare_output, refuse_overwriting_inputs, temporary_prefix,
                           write_json_atomic)
+from aiayn.data_checks import held_out_notes, warnings
 from aiayn.layout import DATA_STATS, text_name
 
 SPLITS = ("train", "dev", "test")
@@ -356,6 +357,7 @@ def download(data: dict, out_dir: str | Path) -> dict:
         sources = {split: open_local_split(data["local"].get(split), split, src_lang, tgt_lang) for split in SPLITS}
     else:
         sources = {split: open_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
+    held_out = held_out_notes(data, sources)
     max_length_ratio = data.get("max_length_ratio")
     prepare_output(out_dir, directory=True)
     tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(out_dir), dir=out_dir.parent))
@@ -381,7 +383,7 @@ def download(data: dict, out_dir: str | Path) -> dict:
             all_stats[split] = stats.as_json()
             split_stats[split] = stats
         summary = {"source": data["source"], "src_lang": src_lang, "tgt_lang": tgt_lang, "splits": all_stats}
-        notes = warnings(split_stats)
+        notes = held_out + warnings(split_stats)
         if notes:
             summary["warnings"] = notes
         write_json_atomic(tmp / DATA_STATS, summary)
@@ -395,44 +397,6 @@ def download(data: dict, out_dir: str | Path) -> dict:
     for note in summary.get("warnings", []):
         print(f"warning: {note}", file=sys.stderr)
     return summary
-
-
-def warnings(stats: dict[str, SplitStats]) -> list[str]:
-    """One sentence for each kind of pair that was accepted but looks wrong, with counts per split and
-    the first one (by its pair number in the split's source); stats.json keeps the counts."""
-    def where(what: str) -> str:
-        counts = ", ".join(f"{split} {getattr(s, what)}" for split, s in stats.items() if getattr(s, what))
-        split, first = next((split, s) for split, s in stats.items() if getattr(s, what))
-        return f"{counts}; the first is pair {first.first_pair[what]} of {split}, {', '.join(first.origin)}"
-
-    def total(what: str) -> int:
-        return sum(getattr(s, what) for s in stats.values())
-
-    notes = []
-    if total("moses_escaped"):
-        notes.append(
-            f"{total('moses_escaped')} pairs look tokenized or Moses-escaped (&apos; &quot; @-@; "
-            f"{where('moses_escaped')}): the paper's BLEU is computed on raw text, so a tokenized corpus needs "
-            "detokenizing first (sacremoses detokenize); the count is moses_escaped in stats.json"
-        )
-    for split, s in stats.items():
-        if s.pairs_read and s.identical_sides == s.pairs_read:
-            notes.append(
-                f"every pair of the {split} split has the same source and target text ({', '.join(s.origin)}): "
-                "the same file given for both languages? (identical_sides in stats.json)"
-            )
-    if total("empty_side_kept"):
-        notes.append(
-            f"{total('empty_side_kept')} dev/test pairs have an empty side ({where('empty_side_kept')}); they are "
-            "kept, since dropping evaluation sentences would change what BLEU is computed on, but check that source "
-            "and target files are aligned (empty_side_kept in stats.json)"
-        )
-    if total("whitespace_trimmed"):
-        notes.append(
-            f"{total('whitespace_trimmed')} pairs had whitespace around a side, which was trimmed "
-            f"({where('whitespace_trimmed')}; whitespace_trimmed in stats.json)"
-        )
-    return notes
 
 
 @cli

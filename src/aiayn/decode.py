@@ -45,13 +45,15 @@ def translate(
     progress: bool = True,
     workers: int = 1,
     source: str = "the input",
+    max_source_tokens: int | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam-search each sentence; its config.n_best hypotheses, best first, in input order
     (``hypothesis_text`` turns one into text).
 
     A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
     or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches. Sentences longer than a
-    learned positional table are refused before any is searched, by line of ``source`` (``check_lengths``).
+    learned positional table, or of more than ``max_source_tokens`` BPE tokens, are refused before any is
+    searched, by line of ``source`` (``check_lengths``).
     """
     from tqdm import tqdm
 
@@ -63,7 +65,7 @@ def translate(
         return results
     # Source sequences are BPE ids then EOS, no BOS (the binarize stage's convention).
     encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
-    check_lengths(model, [len(ids) for ids in encoded], to_decode, source)
+    check_lengths(model, [len(ids) for ids in encoded], to_decode, source, max_source_tokens)
     batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
     padded = [_pad([encoded[i] for i in batch], device) for batch in batches]
     with tqdm(total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr) as bar:
@@ -74,25 +76,48 @@ def translate(
     return results
 
 
-def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[int], source: str) -> None:
+def _named_lines(too_long: Sequence[tuple[int, int]]) -> str:
+    """``line 3 (812 tokens)``, or the first five of several and how many more (lengths with EOS)."""
+    shown = ", ".join(f"{line} ({length - 1} tokens)" for line, length in too_long[:5])
+    more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+    return f"line{'s' if len(too_long) > 1 else ''} {shown}{more}"
+
+
+def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[int], source: str,
+                  max_source_tokens: int | None = None) -> None:
     """Refuse sources longer than the model's learned positional table (Table 3 row E), naming their lines
     (0-based ``lines``, named from 1), before anything is searched: the search would fail at the first
     batch that holds one, after the batches before it, and writing the others alone would break the one
     line per input line that scoring needs. fairseq-generate refuses them too, unless told to skip them.
-    Sinusoids (Section 3.5) extend to any length, so those models take any sentence."""
+    Sinusoids (Section 3.5) extend to any length, so those models take any sentence; there a source of
+    more than ``max_source_tokens`` BPE tokens (``decode.max_source_tokens``) is refused the same way: its
+    search, an encoder over it and then its length + max_len_b steps, would run for hours."""
     config = getattr(model, "config", None)
-    if getattr(config, "positional", None) != "learned":
+    if getattr(config, "positional", None) == "learned":
+        _refuse_learned_overflow(config.max_positions, lengths, lines, source)
+    if max_source_tokens is None:
         return
-    limit = config.max_positions  # a source is its tokens and EOS, at positions 0 .. length - 1
+    if isinstance(max_source_tokens, bool) or not isinstance(max_source_tokens, int) or max_source_tokens < 1:
+        raise UserError(f"max_source_tokens = {max_source_tokens!r} must be a whole number of at least 1")
+    too_long = [(line + 1, length) for line, length in zip(lines, lengths) if length - 1 > max_source_tokens]
+    if too_long:
+        raise UserError(
+            f"{source}: {len(too_long)} sentence{'s' if len(too_long) > 1 else ''} of more than "
+            f"decode.max_source_tokens = {max_source_tokens} BPE tokens, {_named_lines(too_long)}; nothing was "
+            "translated: split those lines into sentences (one a line), or raise decode.max_source_tokens "
+            "(aiayn translate: --max-source-tokens) if they are meant to be searched whole"
+        )
+
+
+def _refuse_learned_overflow(limit: int, lengths: Sequence[int], lines: Sequence[int], source: str) -> None:
+    # a source is its tokens and EOS, at positions 0 .. length - 1
     too_long = [(line + 1, length) for line, length in zip(lines, lengths) if length > limit]
     if not too_long:
         return
-    shown = ", ".join(f"{line} ({length - 1} tokens)" for line, length in too_long[:5])
-    more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
     raise UserError(
         f"{source}: {len(too_long)} sentence{'s' if len(too_long) > 1 else ''} longer than the model's learned "
         f"positional table (max_positions = {limit}: at most {limit - 1} BPE tokens and the end-of-sentence), "
-        f"line{'s' if len(too_long) > 1 else ''} {shown}{more}; nothing was translated: split or shorten those "
+        f"{_named_lines(too_long)}; nothing was translated: split or shorten those "
         "lines (the model cannot read past its table; a model with positional = sinusoidal has no such limit)"
     )
 
@@ -233,13 +258,16 @@ class DecodeSettings:
     search: SearchConfig
     tokens_per_batch: int | str  # a number, or "auto" (``resolve_tokens_per_batch``)
     workers: int
+    max_source_tokens: int
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> DecodeSettings:
         """From a checked section with the schema's defaults filled in (``aiayn.config``)."""
         values = dict(section)
         tokens_per_batch, workers = values.pop("tokens_per_batch"), values.pop("workers")
-        return cls(search=SearchConfig.from_dict(values), tokens_per_batch=tokens_per_batch, workers=workers)
+        max_source_tokens = values.pop("max_source_tokens")
+        return cls(search=SearchConfig.from_dict(values), tokens_per_batch=tokens_per_batch, workers=workers,
+                   max_source_tokens=max_source_tokens)
 
 
 @cli
@@ -254,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="where to write the translations, one a line")
     parser.add_argument("--workers", type=int, default=None,
                         help="overrides decode.workers (the Snakefile passes it apart: it changes no output)")
+    parser.add_argument("--max-source-tokens", type=int, default=None,
+                        help="overrides decode.max_source_tokens (passed apart, as --workers is)")
     args = parser.parse_args(argv)
     refuse_overwriting_inputs({"--output": args.output}, {"--input": args.input, "--model": args.model,
                                                           "--spm-model": args.spm_model, "--config": args.config})
@@ -261,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     section = section_from_arguments(args, "decode")
     if args.workers is not None:
         section = check_section("decode", {**section, "workers": args.workers}, "--workers")
+    if args.max_source_tokens is not None:
+        section = check_section("decode", {**section, "max_source_tokens": args.max_source_tokens},
+                                "--max-source-tokens")
     settings = DecodeSettings.from_section(section)
     config = settings.search
     prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
@@ -271,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     start = time.perf_counter()
     hypotheses = translate(model, processor, sentences, config, tokens_per_batch, device, workers=workers,
-                           source=args.input)
+                           source=args.input, max_source_tokens=settings.max_source_tokens)
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())

@@ -299,6 +299,15 @@ def fingerprint_files(*paths: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+def same_file(first: str | os.PathLike, second: str | os.PathLike) -> bool:
+    """Whether two paths name one file (another spelling, a symbolic or a hard link); False if either is missing.
+    For two inputs given where two different files are meant: a source and its translation, train and test."""
+    try:
+        return os.path.samefile(first, second)
+    except (OSError, ValueError):
+        return False
+
+
 # --- outputs that are inputs ------------------------------------------------------------------
 
 # What names the files of one option: a path, several, a stream (stdout), or None (an option not given).

@@ -22,11 +22,12 @@ import contextlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import prepare_output, read_lines, refuse_overwriting_inputs, write_json_atomic
+from aiayn.fileio import prepare_output, read_lines, refuse_overwriting_inputs, same_file, write_json_atomic
 
 BLEU_TOK_METHOD = (
     "moses replace-unicode-punctuation + moses tokenizer -l {lang} (escaped) + compound split "
@@ -39,6 +40,10 @@ BLEU_TOK_METHOD = (
 # pass, like perl's /g: in "a-b-c" the "b" is consumed by the first match, so the second
 # hyphen stays joined ("a ##AT##-##AT## b-c"), exactly as the authors' numbers were made.
 _COMPOUND_HYPHEN = re.compile(r"(\S)-(\S)", re.ASCII)
+
+# The XML escapes Moses' tokenizer writes (escape=True): in a hypothesis they are scored as the characters
+# "&apos;", not as the apostrophe the reference holds.
+_MOSES_ESCAPE = re.compile(r"&(?:apos|quot|amp|lt|gt|#124|#91|#93);")
 
 
 def split_compounds(tokenized_line: str) -> str:
@@ -94,7 +99,13 @@ def score(hypotheses: list[str], references: list[str], lang: str = "de") -> dic
 
 
 def score_files(hyp_path: str | os.PathLike, ref_path: str | os.PathLike, lang: str = "de") -> dict:
-    """Score a hypothesis file against a reference file, one segment per ``\\n``-terminated line."""
+    """Score a hypothesis file against a reference file, one segment per ``\\n``-terminated line.
+
+    The two must be different files; hypotheses that copy the references, or hold Moses escapes the
+    references lack, are scored with a warning on stderr (``score_warnings``)."""
+    if same_file(hyp_path, ref_path):
+        raise UserError(f"--hyp {hyp_path} and --ref {ref_path} are one file: scored against itself, any text gets "
+                        "BLEU 100; give the system's translations as --hyp")
     hypotheses = read_lines(hyp_path)
     references = read_lines(ref_path)
     if len(hypotheses) != len(references):
@@ -105,7 +116,24 @@ def score_files(hyp_path: str | os.PathLike, ref_path: str | os.PathLike, lang: 
         )
     if not hypotheses:
         raise UserError(f"{hyp_path} and {ref_path} are empty; there is nothing to score")
+    for note in score_warnings(hyp_path, ref_path, hypotheses, references):
+        print(f"warning: {note}", file=sys.stderr)
     return score(hypotheses, references, lang)
+
+
+def score_warnings(hyp_path, ref_path, hypotheses: list[str], references: list[str]) -> list[str]:
+    """One line for each way the hypotheses look like something other than a system's raw output."""
+    notes = []
+    if hypotheses == references:
+        notes.append(f"every line of {hyp_path} equals its line of {ref_path}: a copy of the references, not "
+                     "a system's translations? (the scores below are those of a perfect system)")
+    escaped = [number for number, (hypothesis, reference) in enumerate(zip(hypotheses, references), start=1)
+               if set(_MOSES_ESCAPE.findall(hypothesis)) - set(_MOSES_ESCAPE.findall(reference))]
+    if escaped:
+        notes.append(f"{len(escaped)} lines of {hyp_path} hold Moses escapes (&apos; &quot; &amp; ...) that their "
+                     f"references do not, the first line {escaped[0]}: they are scored as those characters; score "
+                     "the raw text (sacremoses' MosesDetokenizer unescapes it)")
+    return notes
 
 
 @contextlib.contextmanager

@@ -77,6 +77,8 @@ def arguments() -> argparse.ArgumentParser:
                         help="padded source tokens x beam per batch (auto: by device, config/README.md)")
     parser.add_argument("--workers", type=int, default=defaults["workers"],
                         help="CPU only: batches searched at once, each with threads / workers torch threads")
+    parser.add_argument("--max-source-tokens", type=int, default=defaults["max_source_tokens"],
+                        help="a longer input line (in BPE tokens) is refused, naming it, before any is translated")
     return parser
 
 
@@ -93,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
     hypotheses = translate(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
-                           workers=args.workers, source="stdin")
+                           workers=args.workers, source="stdin", max_source_tokens=args.max_source_tokens)
     results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
                for sentence in hypotheses]
     write_translations(results, config.n_best, sys.stdout)

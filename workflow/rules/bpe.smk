@@ -9,7 +9,7 @@ rule bpe:
     params:
         bpe=to_json(config["bpe"]),
         out_dir=lambda w, output: Path(output.model).parent,
-    threads: workflow.cores
+    threads: all_cores()
     log:
         log_file("bpe"),
     resources:

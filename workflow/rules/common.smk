@@ -2,31 +2,47 @@
 import sys
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
+
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from aiayn import layout
-from aiayn.config import check_config, resolve_preset, to_json
+from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_preset, to_json
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
 
 
-def config_sources():
-    """The files whose merge is `config`, in order, for error messages that name the file: the
-    --configfile files, or the demo's config/config.yaml when none is given (the Snakefile)."""
+def config_files():
+    """The files whose merge is `config`, in order: the --configfile files, or the demo's
+    config/config.yaml when none is given (the Snakefile)."""
     def shown(path):
         path = Path(path).resolve()
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
     files = workflow.overwrite_configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]
-    sources = [shown(path) for path in files]
-    if workflow.config_settings.config:
-        sources.append("--config")
-    return sources
+    return [shown(path) for path in files]
 
 
-# Validate once, before any job: one message naming the file and key, exit status 2. The schema's
-# defaults fill every key the config files leave out (check_config).
+def config_sources():
+    """The config files, then any --config overrides, for error messages that name where a value was set."""
+    overrides = workflow.config_settings.config
+    return config_files() + ([ConfigOverrides(overrides)] if overrides else [])
+
+
+def all_cores():
+    """The cores Snakemake was given (--cores), for a rule that uses them all; 1 where it has none, as for
+    --unlock, --summary and --report, which run no job (a run without --cores is refused by Snakemake)."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
+# Validate once, before any job: one message naming the file and key, exit status 2. The files first, as
+# Snakemake's reader keeps the last of a key given twice without a word; then the schema's defaults fill
+# every key the config files leave out (check_config).
 try:
+    check_config_files(config_files())
     _validated = check_config(config, config_sources())
 except UserError as error:
     print(f"error: {error}", file=sys.stderr)
@@ -90,7 +106,8 @@ def decode_model(wildcards):
 # Settings that change how a job runs but none of its outputs. A rule passes them as resources,
 # which rerun nothing when they change; its params, which Snakemake compares with the last run's,
 # hold the rest of the section (output_settings), so a change there reruns the job and what follows.
-RUNTIME_ONLY = {"train": ("log_every", "threads"), "binarize": ("workers",), "decode": ("workers",)}
+RUNTIME_ONLY = {"train": ("log_every", "threads"), "binarize": ("workers",),
+                "decode": ("workers", "max_source_tokens")}
 
 
 def output_settings(section):
