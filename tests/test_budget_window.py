@@ -15,7 +15,7 @@ from aiayn.train.trainer import Trainer, TrainJob
 from aiayn.train.window import budget_window_due, budget_window_steps
 
 TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 2,
-                 "dev_every": 3, "precision": "fp32", "device": "cpu"}
+                 "dev_every": 0, "precision": "fp32", "device": "cpu"}
 PAPER_SHARE = 4 / 72  # the base model's last 5 checkpoints, 10 minutes apart, of 12 hours
 
 
@@ -84,26 +84,32 @@ def train_with_clock(prepared, run_dir, tick: float, **preset) -> dict:
     return trainer.run()
 
 
-BUDGETED = {"steps": 10_000, "max_minutes": 0.05, "budget_intervals": 10, "average_last": 3, "keep_checkpoints": 3,
+# 1.5 s of budget in 5 intervals of 0.3 s: window times 0.6, 0.9 and 1.2 s (the first the spare)
+BUDGETED = {"steps": 10_000, "max_minutes": 0.025, "budget_intervals": 5, "average_last": 3, "keep_checkpoints": 3,
             "checkpoint_steps": 2}
 
 
-def test_a_budgeted_trainer_writes_its_window_by_its_clock_not_by_checkpoint_steps(prepared, tmp_path):
-    # three reads of the clock a step, 0.05 s apart: 0.1 s a step, 3 s of budget, window times 2.1, 2.4, 2.7 s
-    summary = train_with_clock(prepared, tmp_path / "run", 0.05, **BUDGETED)
-    assert (summary["stopped_by"], summary["step"]) == ("max_minutes", 31)
-    steps = [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")]
-    assert steps == [25, 28, 31]  # 22 was the spare, dropped by keep_checkpoints
+@pytest.fixture(scope="module")
+def budgeted_run(prepared, tmp_path_factory):
+    """A budgeted run whose clock is read three times a step, 0.05 s apart: 0.1 s a step."""
+    run_dir = tmp_path_factory.mktemp("budgeted") / "run"
+    return run_dir, train_with_clock(prepared, run_dir, 0.05, **BUDGETED)
 
 
-def test_the_average_of_a_budgeted_run_uses_only_checkpoints_in_its_window(prepared, tmp_path):
+def test_a_budgeted_trainer_writes_its_window_by_its_clock_not_by_checkpoint_steps(budgeted_run):
+    run_dir, summary = budgeted_run
+    assert (summary["stopped_by"], summary["step"]) == ("max_minutes", 16)
+    steps = [step for step, _ in list_checkpoints(run_dir / "checkpoints")]
+    assert steps == [10, 13, 16]  # 7 was the spare, dropped by keep_checkpoints
+
+
+def test_the_average_of_a_budgeted_run_uses_only_checkpoints_in_its_window(budgeted_run):
     from aiayn.average import average_checkpoints
 
-    summary = train_with_clock(prepared, tmp_path / "run", 0.05, **BUDGETED)
-    averaged = average_checkpoints(last_checkpoints(tmp_path / "run" / "checkpoints", 3))
-    # the last 2 of the run's 10 intervals: steps 22 to 31 of 31, never the learning curve before them
-    assert averaged["averaged_steps"] == [25, 28, 31]
-    assert all(step > summary["step"] * 0.7 for step in averaged["averaged_steps"])
+    run_dir, summary = budgeted_run
+    averaged = average_checkpoints(last_checkpoints(run_dir / "checkpoints", 3))
+    # the last 2 of the run's 5 intervals: steps 10 to 16 of 16, not the learning curve before them
+    assert averaged["averaged_steps"] == [10, 13, 16]
 
 
 def test_a_resumed_budgeted_run_keeps_its_window_spacing(prepared, tmp_path):
@@ -111,16 +117,16 @@ def test_a_resumed_budgeted_run_keeps_its_window_spacing(prepared, tmp_path):
 
     trainer = Trainer(job(prepared, tmp_path / "run", **BUDGETED))
     trainer.clock = FakeClock(0.05)
-    trainer.job.stop_after_steps = 26
+    trainer.job.stop_after_steps = 11
     with pytest.raises(Preempted):
         trainer.run()
-    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "safety_00000026.pt")["progress"]["window_clock"] \
-        == pytest.approx(2.45)
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "safety_00000011.pt")["progress"]["window_clock"] \
+        == pytest.approx(0.95)
     train_with_clock(prepared, tmp_path / "run", 0.05, **BUDGETED)
-    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [25, 28, 31]
+    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [10, 13, 16]
 
 
 def test_a_step_planned_run_keeps_its_step_window(prepared, tmp_path):
-    train_with_clock(prepared, tmp_path / "run", 0.05, steps=12, checkpoint_steps=4, average_last=3,
+    train_with_clock(prepared, tmp_path / "run", 0.05, steps=8, checkpoint_steps=3, average_last=3,
                      keep_checkpoints=3)
-    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [4, 8, 12]
+    assert [step for step, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 5, 8]
