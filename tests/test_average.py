@@ -272,8 +272,8 @@ def test_the_dev_evaluation_of_the_averaged_model_and_the_last_is_recorded(train
     run_dir, uri = trained_run
     output = tmp_path / "average" / "model.pt"
     done = run(average_command("--last", 2, "--checkpoint-dir", run_dir / "checkpoints", "--output", output,
-                               "--dev-data", prepared / "bin" / "dev", "--log-to-run", run_dir / "final.json",
-                               "--tracking-uri", uri), tmp_path)
+                               "--dev-data", prepared / "bin" / "dev", "--summary", output.parent / "average.json",
+                               "--log-to-run", run_dir / "final.json", "--tracking-uri", uri), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((output.parent / "average.json").read_text())
     final = json.loads((run_dir / "final.json").read_text())
@@ -300,8 +300,8 @@ def test_an_average_worse_than_the_last_checkpoint_warns_in_one_line_and_is_kept
     damaged["step"] = 0
     torch.save(damaged, tmp_path / "step_00000000.pt")
     output = tmp_path / "model.pt"
-    done = run(average_command("--output", output, "--dev-data", prepared / "bin" / "dev",
-                               tmp_path / "step_00000000.pt", last), tmp_path)
+    done = run(average_command("--output", output, "--dev-data", prepared / "bin" / "dev", "--summary",
+                               tmp_path / "average.json", tmp_path / "step_00000000.pt", last), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "average.json").read_text())
     assert summary["averaged_worse"] and summary["dev_ppl_averaged"] > summary["dev_ppl_last"]

@@ -6,8 +6,9 @@ pitfall 3 puts this at up to 1 BLEU. ``--last K`` takes the last K *window* chec
 ``{"format": "aiayn-model-v1", "model_config", "model", "vocab_fingerprint",
 "data_fingerprint", "averaged_steps", "averaged_from"}``. Averaged models are accepted as
 inputs too; each input file then counts once, whatever it was averaged from. With ``--dev-data`` the
-averaged model and the last checkpoint are compared on the dev split (``aiayn.average_dev``), into
-``average.json`` beside the model and MLflow; the averaged model is written whatever they show.
+averaged model and the last checkpoint are compared on the dev split (``aiayn.average_dev``), printed,
+logged to MLflow and written to ``--summary`` (the DAG's ``average.json`` beside the model); the
+averaged model is written whatever they show.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def main(argv=None):
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("--dev-data", type=Path, metavar="DIR",
                         help="a binarized dev split: compare the averaged model with the last checkpoint on it")
-    parser.add_argument("--summary", type=Path, help=f"where that comparison goes (default: {AVERAGE_SUMMARY} "
-                        "beside --output)")
+    parser.add_argument("--summary", type=Path, help=f"a JSON file for that comparison (the DAG writes "
+                        f"{AVERAGE_SUMMARY} beside the model)")
     parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
                         help="of the dev evaluation, as train.precision (default: fp32)")
@@ -156,8 +157,7 @@ def main(argv=None):
     # every checkpoint of --checkpoint-dir, not only the last K: replacing any would break the run's resume
     run_checkpoints = ([path for _, path in list_checkpoints(args.checkpoint_dir, safety=True)]
                        if args.last is not None else [])
-    summary_path = args.summary or args.output.parent / AVERAGE_SUMMARY
-    outputs = {"--output": args.output, **({"--summary": summary_path} if args.dev_data else {})}
+    outputs = {"--output": args.output, **({"--summary": args.summary} if args.summary else {})}
     refuse_overwriting_inputs(outputs, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
                                         "--log-to-run": args.log_to_run, "--dev-data": args.dev_data})
     if args.summary and not args.dev_data:
@@ -176,7 +176,7 @@ def main(argv=None):
     print(f"averaged {len(paths)} files (steps {steps}) into {args.output}")
     metrics, tags = {"averaged_checkpoints": len(paths)}, {"averaged_steps": steps}
     if args.dev_data:
-        comparison = dev_comparison(model, paths[-1], args, summary_path)
+        comparison = dev_comparison(model, paths[-1], args)
         metrics.update({key: comparison[key] for key in DEV_METRICS})
         tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
     if args.log_to_run:
@@ -189,17 +189,18 @@ DEV_METRICS = ("dev_ppl_last", "dev_ppl_averaged", "dev_nll_last", "dev_nll_aver
                "dev_nll_noise")
 
 
-def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace, summary_path: Path) -> dict:
+def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> dict:
     """The averaged model against the last file averaged (with --last, the run's last step) on the dev
-    split: written to ``summary_path``, printed, and a one-line warning when the average is worse."""
+    split: printed, written to --summary, and a one-line warning when the average is worse."""
     from aiayn.average_dev import compare_on_dev, worse_warning
     from aiayn.device import choose_device
 
     device = choose_device(args.device)
     comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, args.dev_tokens)
-    write_json_atomic(summary_path, comparison)
+    if args.summary:
+        write_json_atomic(args.summary, comparison)
     print(f"dev perplexity: averaged {comparison['dev_ppl_averaged']:.3f}, last checkpoint "
-          f"{comparison['dev_ppl_last']:.3f} ({last_path.name}); written to {summary_path}")
+          f"{comparison['dev_ppl_last']:.3f} ({last_path.name})")
     if comparison["averaged_worse"]:
         print(worse_warning(comparison), file=sys.stderr)
     return comparison
