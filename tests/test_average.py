@@ -309,3 +309,11 @@ def test_an_average_worse_than_the_last_checkpoint_warns_in_one_line_and_is_kept
     assert len(warnings) == 1
     assert f"{summary['dev_ppl_averaged']:.2f}" in warnings[0] and f"{summary['dev_ppl_last']:.2f}" in warnings[0]
     assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [0, 6]  # not swapped
+
+
+def test_a_summary_without_dev_data_is_refused_before_any_work(two_checkpoints, tmp_path, capsys):
+    output = tmp_path / "out" / "model.pt"
+    assert main(["--output", str(output), "--summary", str(tmp_path / "average.json"),
+                 *map(str, two_checkpoints)]) == 2
+    assert "--dev-data" in capsys.readouterr().err
+    assert not output.exists() and not (tmp_path / "average.json").exists()
