@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -209,3 +214,106 @@ def test_fewer_window_checkpoints_than_k_average_those_that_exist_and_none_is_re
     for step in (100, 200):
         (tmp_path / f"step_{step:08d}.pt").write_bytes(b"")
     assert [path.name for path in last_checkpoints(tmp_path, 5)] == ["step_00000100.pt", "step_00000200.pt"]
+
+
+# --- what averaging gave: the averaged model against the last checkpoint on dev ---------------------
+
+def test_the_paired_difference_counts_as_noise_what_its_chunks_scatter():
+    import numpy as np
+
+    from aiayn.average_dev import paired_difference
+
+    last = np.array([[100.0, 50], [80.0, 40], [120.0, 60], [60.0, 30]])
+    steady = last + np.array([[5.0, 0], [4.0, 0], [6.0, 0], [3.0, 0]])  # +0.1 NLL a token in every chunk
+    difference, noise = paired_difference(steady, last)
+    assert difference == pytest.approx(0.1) and noise == pytest.approx(0.0, abs=1e-9)
+    scattered = last + np.array([[20.0, 0], [-14.0, 0], [-3.0, 0], [15.0, 0]])  # +0.1 on average, by chance
+    difference, noise = paired_difference(scattered, last)
+    assert difference == pytest.approx(0.1) and noise > difference
+
+
+@pytest.fixture(scope="module")
+def trained_run(prepared, tmp_path_factory):
+    """A tiny run, tracked in a sqlite MLflow store, and its window checkpoints."""
+    from conftest import tiny_preset
+
+    from aiayn.config import section_defaults
+    from aiayn.train.trainer import TrainJob, train
+
+    root = tmp_path_factory.mktemp("averaged")
+    uri = f"sqlite:///{root}/mlflow.db"
+    section = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "dev_every": 0,
+               "precision": "fp32", "device": "cpu"}
+    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)  # Tracker.start exports its URI into os.environ
+    try:
+        train(TrainJob(tiny_preset(steps=6, checkpoint_steps=2, average_last=2), section, 1,
+                       prepared / "bin" / "train", prepared / "bin" / "dev", prepared / "bpe" / "spm.model",
+                       root / "run", "tests", uri, True, "cpu", None, False))
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        if saved is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
+    return root / "run", uri
+
+
+def average_command(*args) -> list[str]:
+    return [sys.executable, "-m", "aiayn.cli", "average", *map(str, args)]
+
+
+def run(command, cwd):
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+                               "OMP_NUM_THREADS": "1"})
+
+
+def test_the_dev_evaluation_of_the_averaged_model_and_the_last_is_recorded(trained_run, prepared, tmp_path):
+    from aiayn.tracking import open_client
+
+    run_dir, uri = trained_run
+    output = tmp_path / "average" / "model.pt"
+    done = run(average_command("--last", 2, "--checkpoint-dir", run_dir / "checkpoints", "--output", output,
+                               "--dev-data", prepared / "bin" / "dev", "--summary", output.parent / "average.json",
+                               "--log-to-run", run_dir / "final.json", "--tracking-uri", uri), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((output.parent / "average.json").read_text())
+    final = json.loads((run_dir / "final.json").read_text())
+    assert summary["averaged_steps"] == [4, 6] and summary["last_steps"] == [6]
+    # the last checkpoint is the run's last step: the trainer's own final dev perplexity
+    assert summary["dev_ppl_last"] == pytest.approx(final["dev_ppl"], rel=1e-4)
+    assert summary["dev_ppl_averaged"] > 1 and summary["dev_nll_noise"] > 0
+    assert summary["averaged_worse"] == (summary["dev_nll_difference"] > summary["dev_nll_noise"])
+    assert f"averaged {summary['dev_ppl_averaged']:.3f}, last checkpoint {summary['dev_ppl_last']:.3f}" in done.stdout
+    logged = open_client(uri).get_run(final["mlflow_run_id"]).data
+    assert logged.metrics["dev_ppl_last"] == pytest.approx(summary["dev_ppl_last"])
+    assert logged.metrics["dev_ppl_averaged"] == pytest.approx(summary["dev_ppl_averaged"])
+    assert logged.tags["averaged_worse_than_last"] == str(summary["averaged_worse"]).lower()
+    assert logged.tags["averaged_steps"] == "4, 6"
+
+
+def test_an_average_worse_than_the_last_checkpoint_warns_in_one_line_and_is_kept(trained_run, prepared, tmp_path):
+    run_dir, _ = trained_run
+    last = run_dir / "checkpoints" / "step_00000006.pt"
+    damaged = torch.load(last, map_location="cpu", weights_only=True)  # far from the last: an average with it
+    generator = torch.Generator().manual_seed(0)                       # is worse by far more than noise
+    damaged["model"] = {key: tensor + torch.randn(tensor.shape, generator=generator) for key, tensor
+                        in damaged["model"].items()}
+    damaged["step"] = 0
+    torch.save(damaged, tmp_path / "step_00000000.pt")
+    output = tmp_path / "model.pt"
+    done = run(average_command("--output", output, "--dev-data", prepared / "bin" / "dev", "--summary",
+                               tmp_path / "average.json", tmp_path / "step_00000000.pt", last), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "average.json").read_text())
+    assert summary["averaged_worse"] and summary["dev_ppl_averaged"] > summary["dev_ppl_last"]
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1
+    assert f"{summary['dev_ppl_averaged']:.2f}" in warnings[0] and f"{summary['dev_ppl_last']:.2f}" in warnings[0]
+    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [0, 6]  # not swapped
+
+
+def test_a_summary_without_dev_data_is_refused_before_any_work(two_checkpoints, tmp_path, capsys):
+    output = tmp_path / "out" / "model.pt"
+    assert main(["--output", str(output), "--summary", str(tmp_path / "average.json"),
+                 *map(str, two_checkpoints)]) == 2
+    assert "--dev-data" in capsys.readouterr().err
+    assert not output.exists() and not (tmp_path / "average.json").exists()

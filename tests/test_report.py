@@ -284,3 +284,24 @@ def test_a_run_given_twice_or_of_another_preset_is_refused(results, tmp_path, ca
         build_report(PRESETS, twice, tmp_path, bootstrap_samples=0, figures=False)
     with pytest.raises(UserError, match="not one of the reported presets"):
         build_report({"base": PRESETS["base"]}, files_of(results), tmp_path, bootstrap_samples=0, figures=False)
+
+
+def test_table3_shows_last_vs_averaged_from_each_runs_average_json(results, tmp_path):
+    from dataclasses import replace
+
+    files = []
+    for run, (preset, seed) in zip(files_of(results), RESULTS):
+        average = results / "average" / preset / f"seed{seed}" / "average.json"
+        average.parent.mkdir(parents=True)
+        averaged = 4.9 + seed / 10 if preset == "base" else 6.0
+        average.write_text(json.dumps({"dev_ppl_last": 5.0, "dev_ppl_averaged": averaged,
+                                       "averaged_steps": [200, 250, 300]}))
+        files.append(replace(run, average=average))
+    report = build_report(PRESETS, files, tmp_path / "report", bootstrap_samples=0, figures=False)
+    table3 = report["table3"].set_index("preset")
+    assert table3.loc["base", "dev_ppl_last"] == pytest.approx(5.0)
+    assert table3.loc["base", "dev_ppl_averaged"] == pytest.approx(5.05)  # the mean of the seeds' 5.0 and 5.1
+    assert table3.loc["A_heads_1", "dev_ppl_averaged"] == pytest.approx(6.0)
+    assert table3.loc["base", "averaged_steps"] == "200 250 300"
+    markdown = (tmp_path / "report" / "table3.md").read_text()
+    assert "dev_ppl_averaged" in markdown and "averaged_steps" in markdown and "Last vs averaged" in markdown

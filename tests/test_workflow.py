@@ -102,6 +102,10 @@ def test_a_run_that_spends_its_time_budget_ends_normally_and_the_dag_completes(d
     assert final["stopped_by"] == "max_minutes" and final["step"] < final["planned_steps"]
     averaged = torch.load(results / "average" / "demo_nopos" / "seed1" / "model.pt", weights_only=True)
     assert averaged["averaged_steps"][-1] == final["step"]
+    comparison = json.loads((results / "average" / "demo_nopos" / "seed1" / "average.json").read_text())
+    assert comparison["averaged_steps"] == averaged["averaged_steps"] and comparison["dev_ppl_last"] > 1
+    table3 = pd.read_csv(results / "report" / "table3.csv")
+    assert table3["dev_ppl_averaged"].notna().all() and table3["dev_ppl_last"].notna().all()
     assert (results / "score" / "demo_nopos" / "seed1" / "test.json").exists()
     assert (demo_run / "results" / "demo" / "report" / "table3.md").read_text().startswith("# Table 3")
 

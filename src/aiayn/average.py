@@ -5,7 +5,10 @@ pitfall 3 puts this at up to 1 BLEU. ``--last K`` takes the last K *window* chec
 (``step_*.pt``, at the paper's step interval); safety checkpoints (``safety_*.pt``) never count. The result is a model file without optimizer state:
 ``{"format": "aiayn-model-v1", "model_config", "model", "vocab_fingerprint",
 "data_fingerprint", "averaged_steps", "averaged_from"}``. Averaged models are accepted as
-inputs too; each input file then counts once, whatever it was averaged from.
+inputs too; each input file then counts once, whatever it was averaged from. With ``--dev-data`` the
+averaged model and the last checkpoint are compared on the dev split (``aiayn.average_dev``), printed,
+logged to MLflow and written to ``--summary`` (the DAG's ``average.json`` beside the model); the
+averaged model is written whatever they show.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
 from aiayn.errors import UserError, cli
-from aiayn.fileio import prepare_output, refuse_overwriting_inputs
+from aiayn.fileio import prepare_output, refuse_overwriting_inputs, write_json_atomic
+from aiayn.layout import AVERAGE_SUMMARY
 
 def _steps_of(checkpoint: dict) -> list[int]:
     if checkpoint["format"] == CHECKPOINT_FORMAT:
@@ -134,6 +138,15 @@ def main(argv=None):
     parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
                         help="tag the training run that final.json names with the averaged steps (MLflow)")
     parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument("--dev-data", type=Path, metavar="DIR",
+                        help="a binarized dev split: compare the averaged model with the last checkpoint on it")
+    parser.add_argument("--summary", type=Path, help=f"a JSON file for that comparison (the DAG writes "
+                        f"{AVERAGE_SUMMARY} beside the model)")
+    parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                        help="of the dev evaluation, as train.precision (default: fp32)")
+    parser.add_argument("--dev-tokens", type=int, default=4000, metavar="N",
+                        help="tokens a side in one dev batch, as train.device_tokens (default: 4000)")
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
     args = parser.parse_args(argv)
     if (args.last is None) != (args.checkpoint_dir is None):
@@ -144,8 +157,13 @@ def main(argv=None):
     # every checkpoint of --checkpoint-dir, not only the last K: replacing any would break the run's resume
     run_checkpoints = ([path for _, path in list_checkpoints(args.checkpoint_dir, safety=True)]
                        if args.last is not None else [])
-    refuse_overwriting_inputs({"--output": args.output}, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
-                                                          "--log-to-run": args.log_to_run})
+    outputs = {"--output": args.output, **({"--summary": args.summary} if args.summary else {})}
+    refuse_overwriting_inputs(outputs, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
+                                        "--log-to-run": args.log_to_run, "--dev-data": args.dev_data})
+    if args.summary and not args.dev_data:
+        raise UserError("--summary is where the dev comparison goes: give --dev-data too, or leave --summary out")
+    if args.dev_tokens < 1:
+        raise UserError(f"--dev-tokens {args.dev_tokens}: give the tokens of one dev batch, at least 1")
     # before the work: a folder named as the output, say, is refused at once; its folder is made only
     # when the model is written, so that a failed average leaves none
     prepare_output(args.output, create=False)
@@ -156,11 +174,36 @@ def main(argv=None):
     save_model(model, args.output)
     steps = ", ".join(str(step) for step in model["averaged_steps"])
     print(f"averaged {len(paths)} files (steps {steps}) into {args.output}")
+    metrics, tags = {"averaged_checkpoints": len(paths)}, {"averaged_steps": steps}
+    if args.dev_data:
+        comparison = dev_comparison(model, paths[-1], args)
+        metrics.update({key: comparison[key] for key in DEV_METRICS})
+        tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
     if args.log_to_run:
         from aiayn.tracking import log_to_existing_run
 
-        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics={"averaged_checkpoints": len(paths)},
-                            tags={"averaged_steps": steps})
+        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics=metrics, tags=tags)
+
+
+DEV_METRICS = ("dev_ppl_last", "dev_ppl_averaged", "dev_nll_last", "dev_nll_averaged", "dev_nll_difference",
+               "dev_nll_noise")
+
+
+def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> dict:
+    """The averaged model against the last file averaged (with --last, the run's last step) on the dev
+    split: printed, written to --summary, and a one-line warning when the average is worse."""
+    from aiayn.average_dev import compare_on_dev, worse_warning
+    from aiayn.device import choose_device
+
+    device = choose_device(args.device)
+    comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, args.dev_tokens)
+    if args.summary:
+        write_json_atomic(args.summary, comparison)
+    print(f"dev perplexity: averaged {comparison['dev_ppl_averaged']:.3f}, last checkpoint "
+          f"{comparison['dev_ppl_last']:.3f} ({last_path.name})")
+    if comparison["averaged_worse"]:
+        print(worse_warning(comparison), file=sys.stderr)
+    return comparison
 
 
 if __name__ == "__main__":

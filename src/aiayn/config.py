@@ -310,6 +310,12 @@ def schema_default(key: str) -> Any:
     return copy.deepcopy(node["default"])
 
 
+def preset_default(key: str) -> Any:
+    """The schema's default for an optional preset key (``budget_intervals``), which a preset left
+    without it takes where it is read (filled into presets, it would change every finished run's params)."""
+    return copy.deepcopy(_schema()["$defs"]["preset"]["properties"][key]["default"])
+
+
 def section_schema(section: str) -> dict:
     """The schema of one top-level section (``data``, ``bpe``, ``train``, ...), standing on its own."""
     schema = _schema()

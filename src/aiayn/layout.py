@@ -46,6 +46,7 @@ def checkpoint_name(step: int, window: bool = True) -> str:
 
 # average: results/<experiment>/average/<model>/seed<seed>/
 AVERAGED_MODEL = "model.pt"  # the window's average, which decode and export read
+AVERAGE_SUMMARY = "average.json"  # the averaged model and the last checkpoint on dev (aiayn.average_dev)
 
 # report: results/<experiment>/report/
 TABLE2, TABLE3 = "table2", "table3"  # each as <name>.csv and <name>.md

@@ -2,8 +2,10 @@
 
 Table 2: newstest2014 BLEU of the averaged model, training cost (counted the paper's way, GPU-hours
 times a rate, beside our analytic FLOPs). Table 3: dev perplexity and
-dev BLEU of the last checkpoint without averaging, parameter count, and a paired bootstrap test
-(sacreBLEU's, Koehn 2004) of each row's dev translations against the base model's. Several seeds
+dev BLEU of the last checkpoint without averaging, parameter count, a paired bootstrap test
+(sacreBLEU's, Koehn 2004) of each row's dev translations against the base model's, and "last vs
+averaged": the dev perplexity of the last checkpoint and of the averaged model, and the steps averaged
+(the average stage's ``average.json``). Several seeds
 of a preset are summarised as mean and standard deviation.
 
 Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
@@ -53,6 +55,7 @@ class RunFiles:
     dev_score: Path
     test_score: Path
     dev_translations: Path | None = None  # needed by the paired bootstrap only
+    average: Path | None = None  # the average stage's average.json: last vs averaged on dev
 
     @property
     def run_dir(self) -> Path:
@@ -69,6 +72,7 @@ def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
     for run in run_files:
         final = _read_json(run.final)
         dev, test = _read_json(run.dev_score), _read_json(run.test_score)
+        average = _read_json(run.average) if run.average is not None else {}
         name, seed = final.get("preset"), final.get("seed")
         if name not in presets:
             raise UserError(f"{run.final}: a run of preset {name!r}, which is not one of the reported presets "
@@ -92,6 +96,9 @@ def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
             "paper_ppl_dev": paper.get("ppl_dev"), "paper_bleu_dev": paper.get("bleu_dev"),
             "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
             "paper_train_flops": paper.get("train_flops"), "mlflow_run_id": final.get("mlflow_run_id"),
+            "dev_ppl_last": average.get("dev_ppl_last", math.nan),
+            "dev_ppl_averaged": average.get("dev_ppl_averaged", math.nan),
+            "averaged_steps": " ".join(str(step) for step in average.get("averaged_steps", [])),
         })
     if not rows:
         raise UserError(f"no training runs given (--runs) for {', '.join(presets)}; run the stages first")
@@ -112,6 +119,14 @@ def _with_tokens_column(table):
     text = [f"{src:.0f} + {tgt:.0f}" if src == src and tgt == tgt else ""
             for src, tgt in zip(table["real_src_tokens_per_step"], table["real_tgt_tokens_per_step"])]
     table.insert(table.columns.get_loc("steps"), TOKENS_COLUMN, text)
+    return table
+
+
+def _with_averaged_steps(table, runs):
+    """The steps each preset's average holds, as text beside its last-vs-averaged perplexities (seeds that
+    averaged other steps joined by "; ")."""
+    steps = runs.groupby("preset", sort=False)["averaged_steps"].agg(lambda texts: "; ".join(dict.fromkeys(texts)))
+    table["averaged_steps"] = table["preset"].map(steps)
     return table
 
 
@@ -223,6 +238,10 @@ def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
              "9.5 TFLOPS (P100); `train_cost_gpu_hours_x_peak` is ours counted the same way, GPU-hours x the "
              "device's dense bf16 peak (empty on a CPU); `train_flops_analytic` counts the model's "
              "multiply-adds (x2, x3 for the backward pass) of every step.\n")
+    notes += ("\nLast vs averaged (Table 3): `dev_ppl_last` and `dev_ppl_averaged` are the dev perplexities of the "
+              "last checkpoint and of the averaged model that Table 2 decodes, measured side by side by the average "
+              "stage (`average.json`, which also says whether the average is worse by more than noise); "
+              "`averaged_steps` are the steps it averaged.\n")
     if bootstrap_samples:
         notes += (f"\n`bootstrap_p_vs_base`: sacreBLEU's paired bootstrap ({bootstrap_samples} resamples, seed "
                   f"{BOOTSTRAP_SEED}) of detokenized dev BLEU against `{base}`, each seed paired with the base's "
@@ -249,8 +268,10 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
                "train_flops_analytic", "train_cost_gpu_hours_x_peak"],
         {"test_bleu_tok": "paper_bleu_test", "train_cost_gpu_hours_x_peak": "paper_train_flops"}))
     table3 = _with_tokens_column(summarise(
-        runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours"],
+        runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours",
+               "dev_ppl_last", "dev_ppl_averaged"],
         {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
+    table3 = _with_averaged_steps(table3, runs)
     if bootstrap_samples:
         bootstrap = bootstrap_against_base(runs, files, dev_references and Path(dev_references), base,
                                            bootstrap_samples)
@@ -296,13 +317,16 @@ def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
     lists = {"--dev-scores": args.dev_scores, "--test-scores": args.test_scores}
     if args.dev_translations is not None:
         lists["--dev-translations"] = args.dev_translations
+    if args.averages is not None:
+        lists["--averages"] = args.averages
     for option, paths in lists.items():
         if len(paths) != len(args.runs):
             raise UserError(f"{option} names {len(paths)} files but --runs names {len(args.runs)}; give one per "
                             "run, in the order of --runs")
     translations = args.dev_translations or [None] * len(args.runs)
-    return [RunFiles(final, dev, test, translated)
-            for final, dev, test, translated in zip(args.runs, args.dev_scores, args.test_scores, translations)]
+    averages = args.averages or [None] * len(args.runs)
+    return [RunFiles(final, dev, test, translated, average) for final, dev, test, translated, average
+            in zip(args.runs, args.dev_scores, args.test_scores, translations, averages)]
 
 
 def attention_explorer(args: argparse.Namespace) -> Path:
@@ -336,6 +360,9 @@ def main(argv=None):
                         help="each run's test score JSON, in the order of --runs")
     parser.add_argument("--dev-translations", type=Path, nargs="+",
                         help="each run's dev translations, in the order of --runs (for the paired bootstrap)")
+    parser.add_argument("--averages", type=Path, nargs="+",
+                        help="each run's average.json (the average stage's), in the order of --runs: Table 3's "
+                             "last vs averaged")
     parser.add_argument("--dev-references", type=Path, help="the dev split's references (for the paired bootstrap)")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--base", help="preset the others are tested against (default: paper.row base, else the first)")
@@ -358,6 +385,7 @@ def main(argv=None):
                        ATTENTION_EXPLORER)]},
         {"--runs": args.runs, "--dev-scores": args.dev_scores, "--test-scores": args.test_scores,
          "--dev-translations": args.dev_translations, "--dev-references": args.dev_references,
+         "--averages": args.averages,
          "--attention-model": args.attention_model, "--spm-model": args.spm_model, "--explorer-dev": args.explorer_dev})
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")

@@ -1,11 +1,15 @@
 rule average:
     input:
-        rules.train.output.final,
+        final=rules.train.output.final,
+        dev=for_run(rules.binarize.output[0], {"split": "dev"}),
     output:
         model=f"{RESULTS}/average/{{model}}/seed{{seed}}/{layout.AVERAGED_MODEL}",
+        summary=f"{RESULTS}/average/{{model}}/seed{{seed}}/{layout.AVERAGE_SUMMARY}",
     params:
         last=lambda w: preset(w)["average_last"],
         checkpoint_dir=lambda w: for_run(run_file(layout.CHECKPOINTS), w),
+        precision=config["train"]["precision"],
+        dev_tokens=config["train"]["device_tokens"],
         tracking_uri=config["tracking_uri"],
     log:
         log_file("average", *RUN_LOG),
@@ -15,5 +19,6 @@ rule average:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output} "
-        "--log-to-run {input} --tracking-uri {params.tracking_uri:q}"
+        "average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output.model} "
+        "--dev-data {input.dev} --summary {output.summary} --precision {params.precision} "
+        "--dev-tokens {params.dev_tokens} --log-to-run {input.final} --tracking-uri {params.tracking_uri:q}"

@@ -14,6 +14,7 @@ rule report:
         dev_scores=for_every_run(rules.score.output[0], split="dev"),
         test_scores=for_every_run(rules.score.output[0], split="test"),
         dev_translations=for_every_run(rules.decode.output[0], split="dev"),
+        averages=for_every_run(rules.average.output.summary),
         dev_references=data_text("dev", TGT),
         dev_sources=data_text("dev", SRC),  # the first few join the paper's two on the attention explorer
         attention_model=for_run(rules.average.output.model, {"model": REPORT_BASE, "seed": config["seeds"][0]}),
@@ -62,6 +63,7 @@ rule report:
         "report --presets-json {params.presets:q} --out-dir {params.out_dir} --base {params.base} "
         "--runs {input.runs} --dev-scores {input.dev_scores} --test-scores {input.test_scores} "
         "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
+        "--averages {input.averages} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
         "--explorer-dev {input.dev_sources} --decode-json {params.decode:q} "
         "--tracking-uri {params.tracking_uri:q}"

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
+from aiayn.config import preset_default
 from aiayn.errors import UserError
 from aiayn.loss import teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
@@ -34,7 +35,9 @@ class TrainSettings:
     adam_betas: tuple[float, float]
     adam_eps: float
     keep_checkpoints: int
+    average_last: int
     checkpoint_steps: int
+    budget_intervals: int
     checkpoint_minutes: float | None
     max_minutes: float | None
     layout: int
@@ -52,7 +55,9 @@ class TrainSettings:
             device_tokens=train["device_tokens"], adam_betas=tuple(train["adam_betas"]), adam_eps=train["adam_eps"],
             # averaging needs the last K checkpoints on disk
             keep_checkpoints=max(preset["keep_checkpoints"], preset["average_last"]),
-            checkpoint_steps=preset["checkpoint_steps"], checkpoint_minutes=preset["checkpoint_minutes"],
+            average_last=preset["average_last"], checkpoint_steps=preset["checkpoint_steps"],
+            budget_intervals=preset.get("budget_intervals", preset_default("budget_intervals")),
+            checkpoint_minutes=preset["checkpoint_minutes"],
             layout=max(1, preset["gpus"]),
             # a preset's own budget wins over the train section's
             max_minutes=preset["max_minutes"] if "max_minutes" in preset else train["max_minutes"],
@@ -82,6 +87,7 @@ class Progress:
     padded_source_tokens: int = 0
     padded_target_tokens: int = 0
     dev_history: list = field(default_factory=list)
+    window_clock: float | None = None  # wall_seconds when a budgeted run last decided a window checkpoint
 
     def per_step(self) -> dict[str, float]:
         """Mean tokens of one optimizer step so far: what the run really trained on."""
@@ -184,6 +190,7 @@ class StepOutcome:
     grad_norm: float
     stopping: bool  # a signal or --stop-after-steps: checkpoint and exit 75
     last: bool      # the schedule's last step, or the time budget is spent: end normally
+    window: bool = False  # a budgeted run's window checkpoint is due (aiayn.train.window)
 
 
 class LogWindow:

@@ -2,8 +2,9 @@
 
 docs/PAPER.md, Training: Adam(0.9, 0.98, 1e-9), the schedule of ``aiayn.train.schedule``, label smoothing,
 about 25000 source + 25000 target tokens a step (the same micro-batches on any number of devices, see
-``aiayn.train.steps``), window checkpoints at the paper's step interval for averaging, ``final.pt`` and
-``final.json`` at the end.
+``aiayn.train.steps``), window checkpoints for averaging at the paper's step interval (with a time
+budget, at the paper's share of the budget: ``aiayn.train.window``), ``final.pt`` and ``final.json`` at
+the end.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from aiayn.batching import StepShape, collate, padded_to_multiple
 from aiayn.binarize import load_split
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
-from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, is_window_step, list_checkpoints,
+from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, list_checkpoints,
                               load_checkpoint, save_model)
 from aiayn.config import schema_default
 from aiayn.device import choose_device
@@ -39,6 +40,7 @@ from aiayn.train.hardware import (COMPILE_MULTIPLE, Distributed, adam, autocast_
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
 from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, dev_rows, evaluate,
                                micro_batch_seed)
+from aiayn.train.window import in_window, window_vote
 
 
 class TrainingDiverged(UserError):
@@ -92,6 +94,7 @@ class Trainer:
 
     def __init__(self, job: TrainJob):
         self.job = job
+        self.clock = time.monotonic  # the run's clock (for max_minutes and its window); tests give a fake one
         self.dist = Distributed.from_environment()
         self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank)
         self.dist.init(self.device)
@@ -237,8 +240,9 @@ class Trainer:
     def agree(self, step: int, sums: torch.Tensor, stop: StopFlag, start_step: int, loop_start: float,
               budget: float) -> StepOutcome:
         """The step's one host-device synchronisation: loss, gradient norm, and every process's
-        vote to stop (a signal) or to end (the last step, the time budget)."""
-        votes = torch.zeros(5, dtype=torch.float64, device=self.device)
+        vote to stop (a signal) or to end (the last step, the time budget), and rank 0's decision on a
+        budgeted run's window checkpoint, so that every process knows it."""
+        votes = torch.zeros(6, dtype=torch.float64, device=self.device)
         votes[:2] = sums
         # measured, not clipped (the paper does not clip, so no pass scales the gradients); the same on
         # every process after DDP
@@ -247,12 +251,16 @@ class Trainer:
         job = self.job
         votes[3] = float(stop.signal is not None or (job.stop_after_steps is not None
                                                      and step - start_step >= job.stop_after_steps))
-        votes[4] = float(self.progress.wall_seconds + time.monotonic() - loop_start >= budget)
+        clock = self.progress.wall_seconds + self.clock() - loop_start
+        votes[4] = float(clock >= budget)
+        votes[5] = float(self.dist.is_main and window_vote(self.settings, self.progress, step, clock))
         if self.world > 1:
             torch.distributed.all_reduce(votes)
-        loss_sum, nll_sum, grad_norm, stop_votes, budget_votes = votes.tolist()
+        loss_sum, nll_sum, grad_norm, stop_votes, budget_votes, window_votes = votes.tolist()
+        if window_votes > 0:
+            self.progress.window_clock = clock  # saved with the checkpoint: a resumed run spaces from it
         return StepOutcome(loss_sum, nll_sum, grad_norm, stopping=stop_votes > 0,
-                           last=step == self.settings.steps or budget_votes > 0)
+                           last=step == self.settings.steps or budget_votes > 0, window=window_votes > 0)
 
     def check_finite(self, step: int, outcome: StepOutcome) -> None:
         """A NaN or infinite loss or gradient norm ends the run before anything is written."""
@@ -323,7 +331,7 @@ class Trainer:
         window = LogWindow()
         start_step = progress.step
         budget = settings.max_minutes * 60 if settings.max_minutes else math.inf
-        last_checkpoint_time = time.monotonic()
+        last_checkpoint_time = self.clock()
         status = "FAILED"
         try:
             self.training_model.train()
@@ -331,7 +339,7 @@ class Trainer:
             # process stops at the same step and that step is written as a window checkpoint
             spent_before = progress.wall_seconds >= budget  # a rerun of a run that spent its budget
             while progress.step < settings.steps and not spent_before:
-                loop_start, step_start = time.monotonic(), time.perf_counter()
+                loop_start, step_start = self.clock(), time.perf_counter()
                 step = progress.step + 1
                 micro, shape = self.source.next(progress)
                 # every process knows the whole step's sizes: no communication before the forward pass
@@ -353,14 +361,14 @@ class Trainer:
                                     tok_s=f"{metrics['target_tokens_per_second']:.0f}")
                 if main and self.dev_split is not None and settings.dev_every and step % settings.dev_every == 0:
                     self.evaluate_dev(step)
-                progress.wall_seconds += time.monotonic() - loop_start
+                progress.wall_seconds += self.clock() - loop_start
                 # a run that ends at its time budget ends normally: its last step joins the window
-                in_window = is_window_step(step, settings.steps, settings.checkpoint_steps) or outcome.last
+                window_step = in_window(settings, step, outcome)
                 due_time = settings.checkpoint_minutes and \
-                    time.monotonic() - last_checkpoint_time >= settings.checkpoint_minutes * 60
-                if main and (in_window or due_time or outcome.stopping):
-                    self.save_checkpoint(window=in_window)
-                    last_checkpoint_time = time.monotonic()
+                    self.clock() - last_checkpoint_time >= settings.checkpoint_minutes * 60
+                if main and (window_step or due_time or outcome.stopping):
+                    self.save_checkpoint(window=window_step)
+                    last_checkpoint_time = self.clock()
                 if outcome.last:
                     break
                 if outcome.stopping:
