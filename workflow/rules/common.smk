@@ -1,8 +1,7 @@
 # Helpers, paths and target lists shared by the rules (no rules here).
+import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from aiayn import layout
 from aiayn.config import check_config, resolve_preset, to_json
@@ -17,11 +16,16 @@ def config_sources():
         path = Path(path).resolve()
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
-    files = workflow.overwrite_configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]
+    files = workflow.overwrite_configfiles or workflow.configfiles or [DEMO_CONFIG]
     sources = [shown(path) for path in files]
     if workflow.config_settings.config:
         sources.append("--config")
     return sources
+
+
+# The jobs run the `aiayn` of the Python that runs Snakemake (.venv/bin/snakemake works without an
+# activated environment, and a cluster job inherits this PATH): its bin folder comes first.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 # Validate once, before any job: one message naming the file and key, exit status 2. The schema's
