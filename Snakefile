@@ -42,6 +42,7 @@ rule all:
 # The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end.
 onsuccess:
     show_job_messages(failed=False)
+    show_report_folder()
 
 
 onerror:

@@ -123,6 +123,13 @@ def show_job_messages(failed):
     print_job_messages(f"{RESULTS}/logs", LOGS_AT_START, failed)
 
 
+def show_report_folder():
+    """Where a finished run's tables and figures are, as the last line a user sees."""
+    report = Path(rules.report.output.table2_md).parent
+    if report.is_dir():
+        print(f"The report (Table 2, Table 3, figures): {report}/ (e.g. {rules.report.output.table2_md})")
+
+
 def preset(wildcards):
     return PRESETS[wildcards.model]
 

@@ -1,0 +1,167 @@
+"""The average stage: the elementwise mean of the last checkpoints' weights (paper, section 6.1).
+
+The paper's base model averages the last 5 checkpoints, the big model the last 20; docs/PAPER.md's
+pitfall 3 puts this at up to 1 BLEU. ``--last K`` takes the last K *window* checkpoints
+(``step_*.pt``, at the paper's step interval); safety checkpoints (``safety_*.pt``) never count. The result is a model file without optimizer state:
+``{"format": "aiayn-model-v1", "model_config", "model", "vocab_fingerprint",
+"data_fingerprint", "averaged_steps", "averaged_from"}``. Averaged models are accepted as
+inputs too; each input file then counts once, whatever it was averaged from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
+                              save_model)
+from aiayn.errors import UserError, cli
+from aiayn.fileio import prepare_output, refuse_overwriting_inputs
+
+def _steps_of(checkpoint: dict) -> list[int]:
+    if checkpoint["format"] == CHECKPOINT_FORMAT:
+        return [int(checkpoint["step"])]
+    return [int(step) for step in checkpoint["averaged_steps"]]
+
+
+def _check_compatible(first: dict, first_path: Path, other: dict, other_path: Path) -> None:
+    """Refuse to average models that are not the same network over the same vocabulary."""
+    first_config, other_config = first["model_config"], other["model_config"]
+    for key in sorted(set(first_config) | set(other_config)):
+        if first_config.get(key) != other_config.get(key):
+            raise UserError(
+                f"different architectures: model_config.{key} is {first_config.get(key)!r} in {first_path} "
+                f"but {other_config.get(key)!r} in {other_path}; average only checkpoints of one training run"
+            )
+    for key, what in (("vocab_fingerprint", "vocabularies"), ("data_fingerprint", "training data")):
+        if first[key] != other[key]:
+            raise UserError(
+                f"different {what}: {key} is {first[key]!r} in {first_path} but {other[key]!r} in {other_path}; "
+                "average only checkpoints of one training run"
+            )
+    first_state, other_state = first["model"], other["model"]
+    for key in sorted(set(first_state) ^ set(other_state)):
+        holder, lacking = (first_path, other_path) if key in first_state else (other_path, first_path)
+        raise UserError(f"parameter {key!r} is in {holder} but not in {lacking}; these are different models")
+    for key, tensor in first_state.items():
+        other_tensor = other_state[key]
+        if tensor.shape != other_tensor.shape or tensor.dtype != other_tensor.dtype:
+            raise UserError(
+                f"parameter {key!r} is {tuple(tensor.shape)} {tensor.dtype} in {first_path} but "
+                f"{tuple(other_tensor.shape)} {other_tensor.dtype} in {other_path}; these are different models"
+            )
+
+
+def _storage_aliases(state: dict) -> dict[str, str]:
+    """Map each key whose tensor is a view of an earlier key's tensor (tied weights) to that key."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for key, tensor in state.items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(),
+                    tensor.dtype)
+        if identity in seen:
+            aliases[key] = seen[identity]
+        else:
+            seen[identity] = key
+    return aliases
+
+
+def average_checkpoints(paths: list[str | os.PathLike]) -> dict:
+    """The elementwise mean of the inputs' weights, as an ``aiayn-model-v1`` dict.
+
+    Streams: only the float64 running sum and one loaded file are held at a time. Floating
+    tensors are summed in float64 and cast back to their dtype at the end, so the mean of
+    float32 weights is the correctly rounded float32 of the exact mean. Integer and bool
+    tensors are not averaged: they are taken from the last file (they are equal in
+    checkpoints of one run). Tensors that shared storage in the first file (tied embeddings)
+    share it again in the result.
+    """
+    if not paths:
+        raise UserError("no checkpoints to average; name at least one file, or use --last K --checkpoint-dir DIR")
+    paths = [Path(path) for path in paths]
+    first: dict | None = None
+    aliases: dict[str, str] = {}
+    sums: dict[str, torch.Tensor] = {}
+    steps: list[int] = []
+    for path in paths:
+        checkpoint = load_checkpoint(path)
+        if first is None:
+            # Keep only the small metadata of the first file, not its tensors.
+            first = {key: checkpoint[key] for key in ("model_config", "vocab_fingerprint", "data_fingerprint")}
+            first["model"] = {key: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                              for key, tensor in checkpoint["model"].items()}
+            aliases = _storage_aliases(checkpoint["model"])
+        _check_compatible(first, paths[0], checkpoint, path)
+        for key, tensor in checkpoint["model"].items():
+            if tensor.is_floating_point():
+                if key in sums:
+                    sums[key] += tensor.to(torch.float64)
+                else:
+                    sums[key] = tensor.to(torch.float64, copy=True)
+            else:
+                sums[key] = tensor.clone()
+        steps += _steps_of(checkpoint)
+        del checkpoint  # before loading the next one, so two are never held at once
+
+    averaged = {}
+    for key, meta in first["model"].items():
+        total = sums.pop(key)
+        averaged[key] = (total / len(paths)).to(meta.dtype) if meta.is_floating_point() else total
+    for key, target in aliases.items():
+        if torch.equal(averaged[key], averaged[target]):
+            averaged[key] = averaged[target]
+    return {
+        "format": MODEL_FORMAT,
+        "model_config": first["model_config"],
+        "model": averaged,
+        "vocab_fingerprint": first["vocab_fingerprint"],
+        "data_fingerprint": first["data_fingerprint"],
+        "averaged_steps": steps,
+        "averaged_from": [path.name for path in paths],
+    }
+
+
+@cli
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="aiayn average", description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True, type=Path, help="the averaged model file to write")
+    parser.add_argument("--last", type=int, metavar="K", help="average the last K checkpoints of --checkpoint-dir")
+    parser.add_argument("--checkpoint-dir", type=Path, help="directory of step_*.pt checkpoints (with --last)")
+    parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
+                        help="tag the training run that final.json names with the averaged steps (MLflow)")
+    parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
+    args = parser.parse_args(argv)
+    if (args.last is None) != (args.checkpoint_dir is None):
+        raise UserError("--last K and --checkpoint-dir DIR go together; give both, or list checkpoint files instead")
+    if args.last is not None and args.checkpoints:
+        raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
+    paths = last_checkpoints(args.checkpoint_dir, args.last) if args.last is not None else args.checkpoints
+    # every checkpoint of --checkpoint-dir, not only the last K: replacing any would break the run's resume
+    run_checkpoints = ([path for _, path in list_checkpoints(args.checkpoint_dir, safety=True)]
+                       if args.last is not None else [])
+    refuse_overwriting_inputs({"--output": args.output}, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
+                                                          "--log-to-run": args.log_to_run})
+    # before the work: a folder named as the output, say, is refused at once; its folder is made only
+    # when the model is written, so that a failed average leaves none
+    prepare_output(args.output, create=False)
+    if args.last is not None and len(paths) < args.last:
+        print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "
+              "early, e.g. at train.max_minutes); averaging those", file=sys.stderr)
+    model = average_checkpoints(paths)
+    save_model(model, args.output)
+    steps = ", ".join(str(step) for step in model["averaged_steps"])
+    print(f"averaged {len(paths)} files (steps {steps}) into {args.output}")
+    if args.log_to_run:
+        from aiayn.tracking import log_to_existing_run
+
+        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics={"averaged_checkpoints": len(paths)},
+                            tags={"averaged_steps": steps})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

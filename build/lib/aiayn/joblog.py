@@ -1,0 +1,172 @@
+"""A job's log: what ``aiayn --log FILE --attempt N <command>`` does, and what the workflow shows of it.
+
+Every rule runs its stage as ``aiayn --log {log} --attempt {resources.attempt} <stage> ...``:
+
+- All output of the stage (and of its worker processes) goes to the log file.
+- A user error (exit status 2) is final: running the same command again cannot change it. Snakemake
+  retries a failed job whatever its exit status (``retries`` in the profiles, for preempted and
+  killed jobs), so a retry of a command whose previous attempt ended with status 2 is not run
+  again: it puts back that attempt's log, says so, and ends with status 2 at once.
+- A job does not outlive the workflow that started it: on Linux it asks for SIGTERM when its parent
+  dies (``end_with_parent``). A rule that ``exec``s its command (train) has Snakemake itself as
+  parent, so a killed local ``snakemake`` stops its trainer, which checkpoints and exits 75 as on a
+  preemption. Under SLURM the parent is the scheduler's step, which owns the job.
+- At the end of a run the workflow prints, from the logs its jobs wrote, every ``error:`` and
+  ``warning:`` paragraph (``print_job_messages``): once each, whatever the executor (a SLURM job's
+  output never reaches the terminal) and however many attempts a job had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
+
+USER_ERROR = 2
+KEPT_LOG = 1 << 20  # the end of a failed attempt's log that a skipped retry puts back
+
+
+def _marker(log: Path) -> Path:
+    """Where an attempt that ended with a user error leaves its log for the next attempt."""
+    return log.with_name(f".{log.name}.user-error")
+
+
+def _redirect_output(log: Path) -> None:
+    """Point this process's stdout and stderr (and so its children's) at ``log``, for good."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def end_with_parent() -> bool:
+    """Ask Linux to send this process SIGTERM when its parent process dies (prctl PR_SET_PDEATHSIG).
+
+    Returns whether it was set up. If the parent is already gone (it died before the request), the
+    signal is sent now, as it would have been."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run: Callable[[], int]) -> int:
+    """Run ``run`` with all output in ``log``; on a retry after a user error, don't (see the module).
+
+    ``command`` identifies the command line: a retry is skipped only if the previous attempt ran the
+    very same one, and only if it was attempt ``attempt - 1``. A skipped attempt hands the marker on,
+    so a run of skips reaches the last attempt Snakemake makes; a later run starts at attempt 1, which
+    always runs (and removes the marker), so it can never take an old marker for its own.
+    The output stays redirected when this returns: the process is about to exit, and a traceback
+    that follows belongs in the log.
+    """
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    marker = _marker(log)
+    try:
+        previous = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        previous = None
+    marker.unlink(missing_ok=True)
+    if (attempt > 1 and isinstance(previous, dict) and previous.get("attempt") == attempt - 1
+            and previous.get("command") == list(command)):
+        failed = previous.get("failed", attempt - 1)
+        note = (f"aiayn: attempt {attempt} of this command not run: attempt {failed} ended with a user error "
+                f"(exit status {USER_ERROR}), which running it again cannot change\n")
+        text = previous.get("log", "") + note
+        log.write_text(text, encoding="utf-8")
+        _write_marker(marker, attempt, command, text, failed)
+        print(note, end="", file=sys.stderr)
+        return USER_ERROR
+    _redirect_output(log)
+    end_with_parent()
+    status = run()
+    if status == USER_ERROR:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _write_marker(marker, attempt, command, log.read_text(encoding="utf-8", errors="replace")[-KEPT_LOG:], attempt)
+    return status
+
+
+def _write_marker(marker: Path, attempt: int, command: Sequence[str], log_text: str, failed: int) -> None:
+    marker.write_text(json.dumps({"attempt": attempt, "command": list(command), "log": log_text, "failed": failed}),
+                      encoding="utf-8")
+
+
+# --- what the workflow shows at the end of a run ---------------------------------------------
+
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+
+
+def messages(text: str, failed: bool = True) -> list[str]:
+    """The ``warning:`` paragraphs of a log, then its last ``error:`` paragraph (a paragraph is a line
+    and the indented lines after it); where the log ends in a Python traceback and ``failed``, its
+    last line."""
+    lines = text.splitlines()
+    found: list[str] = []
+    error = None
+    for i, line in enumerate(lines):
+        if line.startswith(("warning: ", "error: ")):
+            end = i + 1
+            while end < len(lines) and lines[end].startswith((" ", "\t")) and lines[end].strip():
+                end += 1
+            paragraph = "\n".join(lines[i:end])
+            if line.startswith("error: "):
+                error = paragraph
+            elif paragraph not in found:
+                found.append(paragraph)
+    if error is not None:
+        found.append(error)
+    elif failed:
+        tail = [line for line in lines if line.strip()][-1:]
+        if tail and "Traceback (most recent call last):" in text and _EXCEPTION_LINE.fullmatch(tail[0]):
+            found.append(f"crashed: {tail[0]}")
+    return found
+
+
+def snapshot_logs(folder: str | os.PathLike) -> dict[str, tuple[int, int, int]]:
+    """Each log file under ``folder`` with its inode, modification time and size, to tell later which
+    logs this run's jobs wrote (Snakemake removes a job's log before it runs)."""
+    found = {}
+    for path in Path(folder).rglob("*.log"):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        found[str(path)] = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    return found
+
+
+def print_job_messages(folder: str | os.PathLike, before: dict[str, tuple[int, int, int]], failed: bool,
+                       out: TextIO | None = None) -> int:
+    """Print the messages of the logs under ``folder`` that changed since ``before``; returns how many."""
+    out = out or sys.stderr
+    shown = 0
+    for path, state in sorted(snapshot_logs(folder).items()):
+        if before.get(path) == state:
+            continue
+        try:
+            found = messages(Path(path).read_text(encoding="utf-8", errors="replace"), failed)
+        except OSError:
+            continue
+        if found:
+            print(f"{path}:", *found, sep="\n", file=out)
+            shown += len(found)
+    out.flush()
+    return shown

@@ -1,0 +1,368 @@
+"""The report stage: our numbers beside the paper's, as Table 2 (test) and Table 3 (dev), and pictures.
+
+Table 2: newstest2014 BLEU of the averaged model, training cost (counted the paper's way, GPU-hours
+times a rate, beside our analytic FLOPs). Table 3: dev perplexity and
+dev BLEU of the last checkpoint without averaging, parameter count, and a paired bootstrap test
+(sacreBLEU's, Koehn 2004) of each row's dev translations against the base model's. Several seeds
+of a preset are summarised as mean and standard deviation.
+
+Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
+paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
+(aiayn.appendix_figures). Tables and pictures are logged as artifacts of the base model's MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from aiayn.errors import UserError, cli
+from aiayn.fileio import atomic_path, read_lines, refuse_overwriting_inputs, write_text_atomic
+from aiayn.layout import DEV_PPL_FIGURE, METRICS, TABLE3_BLEU_FIGURE, TABLES
+
+BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
+BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
+TOKENS_COLUMN = "tokens per step, real src + tgt"
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise UserError(f"{path}: missing; run the stages before the report (snakemake does this for you)")
+    return json.loads(path.read_text())
+
+
+def base_preset(presets: dict) -> str:
+    """The row the others are compared with: the preset whose ``paper.row`` is "base", else the first."""
+    if not presets:
+        raise UserError("no presets to report")
+    return next((name for name, preset in presets.items() if (preset.get("paper") or {}).get("row") == "base"),
+                next(iter(presets)))
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one training run that the report reads, as the workflow names them (its inputs)."""
+
+    final: Path  # the run's final.json: preset, seed, training summary, dev history
+    dev_score: Path
+    test_score: Path
+    dev_translations: Path | None = None  # needed by the paired bootstrap only
+
+    @property
+    def run_dir(self) -> Path:
+        return self.final.parent
+
+
+def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
+    """One row per run, in the order given: training summary and scores (preset and seed from final.json).
+
+    Returns the table and the files of each (preset, seed)."""
+    import pandas as pd
+
+    rows, files = [], {}
+    for run in run_files:
+        final = _read_json(run.final)
+        dev, test = _read_json(run.dev_score), _read_json(run.test_score)
+        name, seed = final.get("preset"), final.get("seed")
+        if name not in presets:
+            raise UserError(f"{run.final}: a run of preset {name!r}, which is not one of the reported presets "
+                            f"({', '.join(presets)}); pass the runs of those presets only")
+        if (name, seed) in files:
+            raise UserError(f"{run.final}: preset {name} seed {seed} is given twice "
+                            f"(also {files[(name, seed)].final}); pass each run once")
+        files[(name, seed)] = run
+        paper = presets[name].get("paper") or {}
+        rows.append({
+            "preset": name, "seed": seed, "row": paper.get("row", name),
+            "steps": final["step"], "params": final["parameters"], "train_hours": final["train_hours"],
+            "train_flops_analytic": final["train_flops"], "train_cost_gpu_hours_x_peak": _gpu_cost(final),
+            "real_src_tokens_per_step": final.get("real_src_tokens_per_step", math.nan),
+            "real_tgt_tokens_per_step": final.get("real_tgt_tokens_per_step", math.nan), "dev_ppl": final.get("dev_ppl"),
+            "dev_bleu_tok": dev["bleu_tok"], "dev_sacrebleu": dev["sacrebleu"],
+            "dev_length_ratio": dev.get("length_ratio", math.nan),
+            "test_bleu_tok": test["bleu_tok"], "test_sacrebleu": test["sacrebleu"],
+            "test_length_ratio": test.get("length_ratio", math.nan),
+            "test_chrf": test["chrf"], "sacrebleu_signature": test["sacrebleu_signature"],
+            "paper_ppl_dev": paper.get("ppl_dev"), "paper_bleu_dev": paper.get("bleu_dev"),
+            "paper_bleu_test": paper.get("bleu_test"), "paper_params": paper.get("params"),
+            "paper_train_flops": paper.get("train_flops"), "mlflow_run_id": final.get("mlflow_run_id"),
+        })
+    if not rows:
+        raise UserError(f"no training runs given (--runs) for {', '.join(presets)}; run the stages first")
+    # the presets in config order, each preset's seeds in the order given
+    order = {name: index for index, name in enumerate(presets)}
+    rows.sort(key=lambda row: order[row["preset"]])
+    return pd.DataFrame(rows), files
+
+
+def _gpu_cost(final: dict) -> float:
+    """GPU-hours x the device's dense bf16 peak: Table 2's training cost, counted as the paper did it."""
+    peak = final.get("device_peak_flops")
+    return final["train_hours"] * 3600 * final.get("world_size", 1) * peak if peak else math.nan
+
+
+def _with_tokens_column(table):
+    """The mean real tokens of a step as one readable column, "src + tgt"."""
+    text = [f"{src:.0f} + {tgt:.0f}" if src == src and tgt == tgt else ""
+            for src, tgt in zip(table["real_src_tokens_per_step"], table["real_tgt_tokens_per_step"])]
+    table.insert(table.columns.get_loc("steps"), TOKENS_COLUMN, text)
+    return table
+
+
+def summarise(runs, columns: list[str], paper_pairs: dict[str, str]):
+    """Mean (and std over seeds) per preset, in config order, with the paper's value and the difference."""
+    import pandas as pd
+
+    order = list(dict.fromkeys(runs["preset"]))
+    grouped = runs.groupby("preset", sort=False)
+    table = grouped[columns].mean()
+    table.insert(0, "row", grouped["row"].first())
+    table.insert(1, "seeds", grouped["seed"].count())
+    for column in columns:
+        if grouped["seed"].count().max() > 1:
+            table[f"{column}_std"] = grouped[column].std(ddof=1)
+    for ours, paper in paper_pairs.items():
+        table[paper] = grouped[paper].first()
+        table[f"{ours}_diff"] = table[ours] - pd.to_numeric(table[paper], errors="coerce")
+    return table.loc[order].reset_index()
+
+
+def bootstrap_against_base(runs, files: dict, dev_references: Path, base: str,
+                           n_samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED):
+    """Paired bootstrap of every preset's dev translations against the base preset's (detokenized BLEU).
+
+    Each seed's translations are paired with the base's of the same seed, segment by segment, and
+    the seeds are pooled into one test (with one seed this is exactly sacreBLEU's test). Returns one
+    row per preset: the p-value (empty for the base itself) and the bootstrap mean BLEU with its 95%
+    confidence half-width. `files` maps (preset, seed) to its RunFiles (``collect_runs``).
+    """
+    import pandas as pd
+
+    from aiayn.score import paired_bootstrap
+
+    if dev_references is None:
+        raise UserError("the paired bootstrap needs the dev references (--dev-references), "
+                        "or pass --bootstrap-samples 0 to skip the test")
+    references = read_lines(dev_references)
+
+    def translations(preset: str, run_seed: int) -> list[str]:
+        path = files[(preset, run_seed)].dev_translations
+        if path is None or not Path(path).exists():
+            shown = path if path is not None else f"the dev translations of {preset} seed {run_seed}"
+            raise UserError(f"{shown}: missing; the paired bootstrap needs every run's dev translations "
+                            "(run the decode stage first, or pass --bootstrap-samples 0 to skip the test)")
+        return read_lines(path)
+
+    base_seeds = set(runs.loc[runs["preset"] == base, "seed"])
+    columns = ["preset", "bootstrap_p_vs_base", "dev_sacrebleu_bootstrap_mean", "dev_sacrebleu_bootstrap_ci95"]
+    rows = []
+    for preset in dict.fromkeys(runs["preset"]):
+        seeds = sorted(set(runs.loc[runs["preset"] == preset, "seed"]) & base_seeds)
+        if not seeds:
+            rows.append({"preset": preset})
+            continue
+        system = [line for run_seed in seeds for line in translations(preset, run_seed)]
+        baseline = [line for run_seed in seeds for line in translations(base, run_seed)]
+        result = paired_bootstrap(baseline, system, references * len(seeds), n_samples=n_samples, seed=seed)
+        rows.append({
+            "preset": preset,
+            "bootstrap_p_vs_base": math.nan if preset == base else result["p_value"],
+            "dev_sacrebleu_bootstrap_mean": result["system_mean"],
+            "dev_sacrebleu_bootstrap_ci95": result["system_ci"],
+        })
+    return pd.DataFrame(rows, columns=columns)
+
+
+def dev_perplexity_curves(files: dict) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """preset -> seed -> [(step, dev perplexity)], from final.json's dev_history, else the metrics.jsonl
+    beside it. `files` maps (preset, seed) to its RunFiles."""
+    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for (preset, run_seed), run in files.items():
+        history = _read_json(run.final).get("dev_history") or []
+        points = {int(entry["step"]): float(entry["dev_ppl"]) for entry in history if "dev_ppl" in entry}
+        metrics = run.run_dir / METRICS
+        if not points and metrics.exists():
+            # A resumed job appends to metrics.jsonl, so a step can appear twice: the last record wins.
+            for line in metrics.read_text(encoding="utf-8").splitlines():
+                record = json.loads(line) if line.strip() else {}
+                if "dev_ppl" in record:
+                    points[int(record["step"])] = float(record["dev_ppl"])
+        curves.setdefault(preset, {})[int(run_seed)] = sorted(points.items())
+    return curves
+
+
+def markdown_columns(table):
+    """The columns a reader of the .md gets, and the names of those left out.
+
+    The two token columns are shown as one (``TOKENS_COLUMN``), and a column empty in every row goes: the
+    paper's numbers (and their differences) for presets the paper has no row for, as every demo preset,
+    and the GPU cost of a run on a CPU. The .csv keeps every column, so that its layout never changes;
+    the paper config's tables keep their paper columns, which have numbers.
+    """
+    import pandas as pd
+
+    shown = table.drop(columns=[c for c in table.columns if c.startswith(("real_src_tokens", "real_tgt_tokens"))])
+    empty = [column for column in shown.columns
+             if shown[column].map(lambda value: pd.isna(value) or value == "").all()]
+    return shown.drop(columns=empty), empty
+
+
+def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
+    notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
+             f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n"
+             "\n`*_length_ratio`: hypothesis length over reference length in sacreBLEU's tokens (below 1, "
+             "the brevity penalty lowers BLEU).\n"
+             f"\n`{TOKENS_COLUMN}`: the mean real (non-pad) source and target tokens of one optimizer step "
+             "(the paper: about 25000 + 25000). Training cost: `paper_train_flops` is the paper's GPU-hours x "
+             "9.5 TFLOPS (P100); `train_cost_gpu_hours_x_peak` is ours counted the same way, GPU-hours x the "
+             "device's dense bf16 peak (empty on a CPU); `train_flops_analytic` counts the model's "
+             "multiply-adds (x2, x3 for the backward pass) of every step.\n")
+    if bootstrap_samples:
+        notes += (f"\n`bootstrap_p_vs_base`: sacreBLEU's paired bootstrap ({bootstrap_samples} resamples, seed "
+                  f"{BOOTSTRAP_SEED}) of detokenized dev BLEU against `{base}`, each seed paired with the base's "
+                  "of the same seed and the seeds pooled; `dev_sacrebleu_bootstrap_mean` and `_ci95` are the "
+                  "bootstrap mean and 95% confidence half-width.\n")
+    return notes
+
+
+def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Path, *,
+                 dev_references: str | Path | None = None, bootstrap_samples: int = BOOTSTRAP_SAMPLES,
+                 base: str | None = None, figures: bool = True) -> dict:
+    """Write table2/table3 (.csv, .md) and, with ``figures``, dev_ppl.png and table3_bleu.png, from the
+    given runs' files (``RunFiles``); the bootstrap also reads the dev references."""
+    if bootstrap_samples < 0:
+        raise UserError(f"--bootstrap-samples {bootstrap_samples}: give a number of resamples, "
+                        "or 0 to skip the test")
+    base = base or base_preset(presets)
+    if base not in presets:
+        raise UserError(f"--base {base}: not one of the reported presets ({', '.join(presets)})")
+    runs, files = collect_runs(presets, run_files)
+    tokens = ["real_src_tokens_per_step", "real_tgt_tokens_per_step"]
+    table2 = _with_tokens_column(summarise(
+        runs, ["test_bleu_tok", "test_sacrebleu", "test_length_ratio", "test_chrf", *tokens, "steps", "train_hours",
+               "train_flops_analytic", "train_cost_gpu_hours_x_peak"],
+        {"test_bleu_tok": "paper_bleu_test", "train_cost_gpu_hours_x_peak": "paper_train_flops"}))
+    table3 = _with_tokens_column(summarise(
+        runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours"],
+        {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
+    if bootstrap_samples:
+        bootstrap = bootstrap_against_base(runs, files, dev_references and Path(dev_references), base,
+                                           bootstrap_samples)
+        table3 = table3.merge(bootstrap, on="preset", how="left")
+    out_dir = Path(out_dir)
+    signature = runs["sacrebleu_signature"].iloc[0]
+    notes = _notes(signature, base, bootstrap_samples)
+    written = []
+    for name, table, title in zip(TABLES, (table2, table3), (
+        "Table 2: the test split (newstest2014 in the paper), averaged checkpoints",
+        "Table 3: the dev split (newstest2013 in the paper), no averaging",
+    )):
+        with atomic_path(out_dir / f"{name}.csv") as tmp:
+            table.to_csv(tmp, index=False)
+        shown, left_out = markdown_columns(table)
+        markdown = shown.to_markdown(index=False, floatfmt=".4g")
+        left_out_note = (f"\nLeft out here, empty in every row (`{name}.csv` keeps them): "
+                         f"{', '.join(f'`{column}`' for column in left_out)}.\n" if left_out else "")
+        write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}{left_out_note}")
+        written += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
+    if figures:
+        from aiayn import plots
+
+        written.append(plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / DEV_PPL_FIGURE))
+        std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
+        labels = [preset if row == preset else f"{preset}\n({row})"
+                  for preset, row in zip(table3["preset"], table3["row"])]
+        written.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
+                                            table3["paper_bleu_dev"], out_dir / TABLE3_BLEU_FIGURE,
+                                            ylabel="dev BLEU (tokenized, as the paper's)"))
+    return {"table2": table2, "table3": table3, "runs": runs, "run_files": files, "base": base,
+            "files": written}
+
+
+def base_run_file(report: dict) -> Path | None:
+    """final.json of the base preset's first reported run: the MLflow run the report is logged into."""
+    seeds = report["runs"].loc[report["runs"]["preset"] == report["base"], "seed"]
+    return report["run_files"][(report["base"], seeds.iloc[0])].final if len(seeds) else None
+
+
+def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
+    """--runs, --dev-scores, --test-scores (and --dev-translations): one file per run, in the same order."""
+    lists = {"--dev-scores": args.dev_scores, "--test-scores": args.test_scores}
+    if args.dev_translations is not None:
+        lists["--dev-translations"] = args.dev_translations
+    for option, paths in lists.items():
+        if len(paths) != len(args.runs):
+            raise UserError(f"{option} names {len(paths)} files but --runs names {len(args.runs)}; give one per "
+                            "run, in the order of --runs")
+    translations = args.dev_translations or [None] * len(args.runs)
+    return [RunFiles(final, dev, test, translated)
+            for final, dev, test, translated in zip(args.runs, args.dev_scores, args.test_scores, translations)]
+
+
+@cli
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
+    parser.add_argument("--presets-json", required=True, help="resolved presets by name (what the Snakefile passes)")
+    parser.add_argument("--runs", type=Path, nargs="+", required=True,
+                        help="each run's final.json (the train stage's output)")
+    parser.add_argument("--dev-scores", type=Path, nargs="+", required=True,
+                        help="each run's dev score JSON, in the order of --runs")
+    parser.add_argument("--test-scores", type=Path, nargs="+", required=True,
+                        help="each run's test score JSON, in the order of --runs")
+    parser.add_argument("--dev-translations", type=Path, nargs="+",
+                        help="each run's dev translations, in the order of --runs (for the paired bootstrap)")
+    parser.add_argument("--dev-references", type=Path, help="the dev split's references (for the paired bootstrap)")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--base", help="preset the others are tested against (default: paper.row base, else the first)")
+    parser.add_argument("--bootstrap-samples", type=int, default=BOOTSTRAP_SAMPLES,
+                        help=f"paired bootstrap resamples (default: {BOOTSTRAP_SAMPLES}; 0 skips the test)")
+    parser.add_argument("--no-figures", action="store_true", help="tables only")
+    parser.add_argument("--attention-model", type=Path,
+                        help="the base model (model.pt or final.pt): draw the appendix's attention heatmaps")
+    parser.add_argument("--spm-model", type=Path, help="the vocabulary of --attention-model")
+    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
+    args = parser.parse_args(argv)
+    refuse_overwriting_inputs(
+        {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
+                       "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png")]},
+        {"--runs": args.runs, "--dev-scores": args.dev_scores, "--test-scores": args.test_scores,
+         "--dev-translations": args.dev_translations, "--dev-references": args.dev_references,
+         "--attention-model": args.attention_model, "--spm-model": args.spm_model})
+    if args.attention_model is not None and args.spm_model is None:
+        raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
+    try:
+        presets = json.loads(args.presets_json)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--presets-json is not valid JSON ({error})") from None
+    report = build_report(presets, run_files_from_arguments(args), args.out_dir, dev_references=args.dev_references,
+                          bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures)
+    files = report["files"]
+    if args.attention_model is not None and not args.no_figures:
+        from aiayn.appendix_figures import appendix_figures
+
+        drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
+        files += [drawn["long_distance"], drawn["anaphora"]]
+    run_file = base_run_file(report)
+    if not args.no_tracking and run_file is None:
+        print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)
+    elif not args.no_tracking:
+        from aiayn.tracking import log_to_existing_run
+
+        try:
+            log_to_existing_run(run_file, args.tracking_uri, metrics={}, artifacts=files, artifact_path="report")
+        except Exception as error:  # the tables and pictures are written; a store that went away must not undo them
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            print(f"warning: the report was not logged to MLflow ({reason})", file=sys.stderr)
+    print(report["table3"].to_string(index=False))
+    print()
+    print(report["table2"].to_string(index=False))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

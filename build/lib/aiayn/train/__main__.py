@@ -1,0 +1,3 @@
+from aiayn.train.launch import main
+
+raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""How training runs on this machine: its processes, precision, fused Adam, compile and peak FLOPs.
+
+Nothing here changes what is learned (the paper's step is in ``aiayn.train.trainer``); it decides how fast
+a step runs on a given CPU or GPU (which device: ``aiayn.device``), and what its peak FLOPs are for
+the model FLOPs utilisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from aiayn.model import ModelConfig, Transformer
+from aiayn.speed.cpu_attention import cpu_attention
+from aiayn.speed.dropout import cpu_dropout
+
+# Dense bf16 tensor-core peaks, for model FLOPs utilisation when the device is known.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 70e12, "L4": 121e12,
+                   "L40S": 362e12, "V100": 125e12, "P100": 18.7e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if "AIAYN_PEAK_FLOPS" in os.environ:
+        return float(os.environ["AIAYN_PEAK_FLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environment(cls) -> "Distributed":
+        """torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain process is rank 0 of 1."""
+        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                   int(os.environ.get("LOCAL_RANK", "0")))
+
+    def init(self, device: torch.device) -> None:
+        """Join the process group: NCCL when each process has a GPU of its own, gloo otherwise."""
+        if self.world_size == 1:
+            return
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        own_gpu = device.type == "cuda" and local_world <= torch.cuda.device_count()
+        torch.distributed.init_process_group("nccl" if own_gpu else "gloo")
+
+
+def cpu_has_bf16_matrix_units() -> bool:
+    """Whether this CPU has bf16 dot-product instructions, as torch's cpuinfo reports: Intel AMX tiles
+    (``amx_bf16``) or AVX512-BF16 (``avx512_bf16``: Cooper Lake, AMD Zen 4 and later)."""
+    capabilities = torch.cpu.get_capabilities()
+    return bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
+
+
+def resolved_precision(precision: str, device: torch.device) -> str:
+    """train.precision on this device: ``fp32`` and ``bf16`` as given; ``auto`` is bf16 autocast on CUDA
+    and on a CPU with AMX or AVX512-BF16, where a whole training step was measured faster in bf16
+    (BENCHMARKS.md: AMX on an Intel Xeon, AVX512-BF16 on an AMD EPYC), and fp32 on other CPUs."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matrix_units()):
+        return "bf16"
+    return "fp32"
+
+
+@contextlib.contextmanager
+def autocast_context(device: torch.device, precision: str):
+    """bf16 autocast where ``resolved_precision`` says bf16. On the CPU also SDPA's math kernel: torch's
+    CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above all),
+    which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The trainer's
+    own model attends in bf16 there without SDPA (aiayn.speed.cpu_attention); this serves any other model
+    (bench/train_cpu.py's peer)."""
+    if resolved_precision(precision, device) != "bf16":
+        yield
+        return
+    attention = sdpa_kernel(SDPBackend.MATH) if device.type == "cpu" else contextlib.nullcontext()
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), attention:
+        yield
+
+
+def model_for_training(config: ModelConfig, device: torch.device) -> Transformer:
+    """The model as training runs it on ``device``: on the CPU with its dropout masks cheaper to draw
+    (aiayn.speed.dropout) and its attention in bf16 under bf16 autocast (aiayn.speed.cpu_attention), the paper's
+    modules otherwise."""
+    model = Transformer(config).to(device)
+    cpu_dropout(model, device)
+    cpu_attention(model, device)
+    return model
+
+
+def adam(parameters, device: torch.device, *, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Adam:
+    """The paper's Adam, fused (one pass over each parameter, its gradient and moments per step)
+    where torch has the kernel, the CPU and CUDA; torch's default for-loop elsewhere."""
+    return torch.optim.Adam(parameters, lr=lr, betas=betas, eps=eps, fused=device.type in ("cpu", "cuda") or None)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict`` keeping this optimizer's implementation choice (``fused``,
+    ``foreach``): a saved state dict carries the saver's, which would otherwise replace it (a run
+    resumed from a checkpoint of the for-loop Adam would stay on the for-loop)."""
+    groups = [dict(saved, fused=current["fused"], foreach=current["foreach"])
+              for saved, current in zip(state["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": groups})
+
+
+# Under train.compile, micro-batches are padded to multiples of this (rows and lengths).
+COMPILE_MULTIPLE = 8
+COMPILE_BACKEND = "inductor"
+
+
+def compiled(objective, backend: str | None = None):
+    """torch.compile for training, where every micro-batch has another shape: sizes are symbolic
+    from the first call (no graph per shape), and batches padded to ``COMPILE_MULTIPLE`` never have
+    a size of 1, which would be specialised to a graph of its own."""
+    from torch.fx.experimental import _config as shape_config
+
+    # Without this, sizes that happen to be equal in the first batch (rows and a length, say) become
+    # one symbol, and the first batch where they differ compiles the graph again.
+    shape_config.use_duck_shape = False
+    return torch.compile(objective, backend=backend or COMPILE_BACKEND, dynamic=True)

@@ -1,0 +1,104 @@
+"""The translate command: source sentences on stdin, translations on stdout, with a trained model.
+
+The same beam search as the decode stage (aiayn.decode), for trying a model by hand:
+
+    echo "The house is small." | aiayn translate --model model.pt --spm-model spm.model
+
+Output format: with ``--n-best 1`` (the default) one translation a line, one line for each input
+line. With ``--n-best N`` each input line gets N lines ``score<TAB>translation``, best first
+(score = log-probability / length penalty), and a blank line ends each sentence's block.
+All of stdin is read before decoding starts, so that sentences of similar length share batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence, TextIO
+
+from aiayn.decode import add_runtime_arguments, hypothesis_text, load_runtime, tokens_per_batch_argument, translate
+from aiayn.errors import UserError, cli
+from aiayn.fileio import refuse_overwriting_inputs
+from aiayn.search import SearchConfig
+
+
+def read_source(stream) -> list[str]:
+    """Lines of a binary stream, split on "\\n" only (as aiayn.fileio.read_lines splits files).
+
+    As for files, carriage returns alone as line ends (old Mac text) are refused: split on "\\n" the whole
+    input would be one sentence, its translation one line for many; so are NUL bytes.
+    """
+    raw = stream.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = raw.count(b"\n", 0, error.start) + 1
+        raise UserError(f"stdin, line {line_number}: bytes that are not UTF-8; re-encode the input as UTF-8") from None
+    if (nul := raw.find(b"\x00")) >= 0:
+        line_number = raw.count(b"\n", 0, nul) + 1
+        raise UserError(f"stdin, line {line_number}: a NUL byte, which text never holds; give text (tr -d '\\000' "
+                        "removes NUL bytes)")
+    if "\n" not in text and "\r" in text.removesuffix("\r"):
+        returns = text.count("\r")
+        raise UserError(f"stdin: its lines end in a carriage return alone (old Mac line endings: {returns} "
+                        "CR, no LF), so all of it would be translated as one sentence; convert them to newlines: "
+                        "tr '\\r' '\\n' < FILE | aiayn translate ...")
+    text = text.removeprefix("\ufeff")
+    if text.endswith("\n"):
+        text = text[:-1]
+    if not text:
+        return []
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+def write_translations(results: list[list[tuple[float, str]]], n_best: int, out: TextIO) -> None:
+    for sentence in results:
+        if n_best == 1:
+            out.write(sentence[0][1] + "\n")
+            continue
+        for score, translation in sentence:
+            out.write(f"{score:.4f}\t{translation}\n")
+        out.write("\n")
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The command's options; their defaults are the `decode` section's, from the schema."""
+    from aiayn.config import section_defaults
+
+    defaults = section_defaults("decode")
+    parser = argparse.ArgumentParser(prog="aiayn translate", description=__doc__.splitlines()[0])
+    add_runtime_arguments(parser)
+    parser.add_argument("--beam", type=int, default=defaults["beam_size"], help="beam size (paper: 4)")
+    parser.add_argument("--alpha", type=float, default=defaults["length_penalty"], help="length penalty (paper: 0.6)")
+    parser.add_argument("--n-best", type=int, default=SearchConfig().n_best, help="hypotheses per sentence")
+    parser.add_argument("--max-len-a", type=float, default=defaults["max_len_a"])
+    parser.add_argument("--max-len-b", type=int, default=defaults["max_len_b"])
+    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument, default=defaults["tokens_per_batch"],
+                        help="padded source tokens x beam per batch (auto: by device, config/README.md)")
+    parser.add_argument("--workers", type=int, default=defaults["workers"],
+                        help="CPU only: batches searched at once, each with threads / workers torch threads")
+    return parser
+
+
+@cli
+def main(argv: Sequence[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    # `> model.pt` has emptied the model already (loading it says so); `>> model.pt` would append to it
+    refuse_overwriting_inputs({"stdout": sys.stdout}, {"--model": args.model, "--spm-model": args.spm_model})
+
+    config = SearchConfig(
+        beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+        n_best=args.n_best,
+    )
+    model, processor, device = load_runtime(args)
+    sentences = read_source(sys.stdin.buffer)
+    hypotheses = translate(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
+                           workers=args.workers, source="stdin")
+    results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
+               for sentence in hypotheses]
+    write_translations(results, config.n_best, sys.stdout)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
