@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -46,9 +47,12 @@ presets:
 def installed(tmp_path_factory) -> Path:
     """A fresh virtual environment holding the wheel built from this clone and its pinned dependencies."""
     root = tmp_path_factory.mktemp("installed")
-    wheels = root / "wheels"
+    source, wheels = root / "source", root / "wheels"  # a copy: the build's egg-info stays out of the clone
+    shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir",
-                            str(wheels), str(REPO)], capture_output=True, text=True, timeout=TIMEOUT)
+                            str(wheels), str(source)], capture_output=True, text=True, timeout=TIMEOUT)
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = wheels.glob("aiayn-*.whl")
     environment = root / "venv"
