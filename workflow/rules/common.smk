@@ -24,8 +24,8 @@ def config_sources():
 
 
 # The jobs run the `aiayn` of the Python that runs Snakemake (.venv/bin/snakemake works without an
-# activated environment, and a cluster job inherits this PATH): its bin folder comes first.
-os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+# activated environment; a cluster job runs Snakemake again, which does the same): its bin folder first.
+os.environ.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 
 # Validate once, before any job: one message naming the file and key, exit status 2. The schema's
@@ -125,9 +125,9 @@ def show_job_messages(failed):
 
 def show_report_folder():
     """Where a finished run's tables and figures are, as the last line a user sees."""
-    report = Path(rules.report.output.table2_md).parent
-    if report.is_dir():
-        print(f"The report (Table 2, Table 3, figures): {report}/ (e.g. {rules.report.output.table2_md})")
+    folder = Path(rules.report.output.table2_md).parent
+    if folder.is_dir():
+        print(f"The report (Table 2, Table 3, figures): {folder}/ (e.g. {rules.report.output.table2_md})")
 
 
 def preset(wildcards):
