@@ -2,8 +2,8 @@
 the pinned dependencies, runs every command from a folder outside the clone.
 
 pip installs from its cache and the machine's local wheels where it finds them (the pins of
-requirements.lock), so the cost is mostly unpacking torch; BENCHMARKS.md has no entry for it, the
-closing note of issue 38 measured it. The environment has no access to this clone's sources: no
+requirements.lock), without compiling every module to bytecode first, so the cost is mostly unpacking
+torch (README, "Development", says what it costs). The environment has no access to this clone's sources: no
 PYTHONPATH, no system site-packages, so `aiayn.__file__` must lie inside it.
 """
 
@@ -57,7 +57,7 @@ def installed(tmp_path_factory) -> Path:
     (wheel,) = wheels.glob("aiayn-*.whl")
     environment = root / "venv"
     venv.create(environment, with_pip=True)  # not --system-site-packages: the editable aiayn stays out
-    install = subprocess.run([str(environment / "bin" / "python"), "-m", "pip", "install", "--quiet",
+    install = subprocess.run([str(environment / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
                               "-c", str(REPO / "requirements.lock"), f"{wheel}[export]"],
                              capture_output=True, text=True, timeout=INSTALL_TIMEOUT, env=clean_environment())
     assert install.returncode == 0, install.stdout + install.stderr
