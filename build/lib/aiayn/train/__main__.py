@@ -1,3 +1,0 @@
-from aiayn.train.launch import main
-
-raise SystemExit(main())
