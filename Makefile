@@ -20,8 +20,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 demo: install
 	$(BIN)/snakemake --cores $(CORES)
 
+# A line per test file as it runs (its dots fill in), then the skipped and failed ones (-ra, in
+# pyproject.toml) and the 10 slowest tests.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest --durations=10
 
 paper-dry-run: install
 	$(BIN)/snakemake -n --cores $(CORES) --configfile config/wmt14_en_de.yaml

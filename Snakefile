@@ -9,10 +9,15 @@ min_version("9.0")
 
 
 # The demo is one config among the others, used when no --configfile is given: under a user's config
-# lies only the schema with its defaults (common.smk), never the demo's values.
+# lies only the schema with its defaults (common.smk), never the demo's values. Its path is this
+# file's folder, not the working directory, so `snakemake -s <clone>/Snakefile` runs from anywhere;
+# as a module (README, "Use the workflow from your own repository") the user's config is used instead.
+DEMO_CONFIG = f"{workflow.current_basedir}/config/config.yaml"
+
+
 if not workflow.overwrite_configfiles:
 
-    configfile: "config/config.yaml"
+    configfile: DEMO_CONFIG
 
 
 
@@ -37,6 +42,7 @@ rule all:
 # The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end.
 onsuccess:
     show_job_messages(failed=False)
+    show_report_folder()
 
 
 onerror:

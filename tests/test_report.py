@@ -162,6 +162,12 @@ def test_the_bootstrap_tells_a_much_worse_row_from_the_base(results, tmp_path):
     assert 0.0 <= p_value <= 1.0
     assert p_value < 0.05
     assert math.isnan(table3.loc["base", "bootstrap_p_vs_base"])  # not tested against itself
+    # the markdown: the base's cell empty, not "nan"; the note under Table 3 only, which has the column
+    table3_md = (tmp_path / "table3.md").read_text()
+    base_row = next(line for line in table3_md.splitlines() if line.startswith("| base "))
+    assert "nan" not in base_row
+    assert "`bootstrap_p_vs_base`" in table3_md
+    assert "bootstrap_p_vs_base" not in (tmp_path / "table2.md").read_text()
     means = table3["dev_sacrebleu_bootstrap_mean"]
     assert means["base"] > means["A_heads_1"]
     assert (table3["dev_sacrebleu_bootstrap_ci95"] > 0).all()

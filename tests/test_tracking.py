@@ -215,11 +215,34 @@ def test_the_source_column_names_the_commit():
 
 
 def test_the_screenshot_script_opens_the_saved_view_the_experiment_holds():
-    from aiayn.config import REPO_ROOT
     from aiayn.tracking import RUNS_VIEW_ID
+    from conftest import REPO
 
     # docs/mlflow_screenshot.py runs without aiayn (a venv with playwright), so it spells the id out
-    assert f'RUNS_VIEW_ID = "{RUNS_VIEW_ID}"' in (REPO_ROOT / "docs" / "mlflow_screenshot.py").read_text()
+    assert f'RUNS_VIEW_ID = "{RUNS_VIEW_ID}"' in (REPO / "docs" / "mlflow_screenshot.py").read_text()
+
+
+def test_the_commit_is_the_one_of_the_repository_the_run_happens_in(tmp_path, monkeypatch):
+    from aiayn.tracking import git_commit
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above tmp_path counts
+    assert git_commit(outside) == "unknown"
+    repo = tmp_path / "theirs"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "config.yaml").write_text("models: [base]\n")
+    subprocess.run([*git, "add", "config.yaml"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.chdir(repo)
+    assert git_commit() == head
+    (repo / "config.yaml").write_text("models: [big]\n")
+    assert git_commit() == head + "-dirty"
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    assert git_commit() == "unknown"
 
 
 # --- eight writers at once ----------------------------------------------------------------

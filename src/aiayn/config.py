@@ -2,23 +2,27 @@
 
 Config flows one way: YAML files (the ``--configfile``s, or the demo's config/config.yaml when
 none is given, then ``--config`` overrides) are merged key by key as Snakemake does, checked
-against ``workflow/schemas/config.schema.yaml`` with a message that names the file and the key,
-filled with the schema's defaults (the only layer under a user's files), and then each model preset
-is resolved through its ``inherit`` chain into one flat dict that the stages receive as JSON.
+against the schema (``config.schema.yaml``, package data beside this module, which the Snakefile
+reads too) with a message that names the file and the key, filled with the schema's defaults, and
+then each model preset is resolved through its ``inherit`` chain into one flat dict that the stages
+receive as JSON. Under a user's files lie only the schema's defaults and the paper's presets
+(aiayn/presets.py), which a config names instead of copying.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from aiayn import presets as paper
 from aiayn.config_files import check_command_line_configfiles, check_config_files, load_yaml  # noqa: F401
 from aiayn.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+# package data: the one copy of the schema, for the installed command and the workflow alike
+SCHEMA_PATH = resources.files("aiayn") / "config.schema.yaml"
 
 # Keys every resolved preset must have (after following `inherit`).
 PRESET_KEYS = (
@@ -164,16 +168,19 @@ def check_config(config: dict, sources: Sequence[str]) -> dict:
     from snakemake.utils import validate
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    config = paper.with_paper_presets(config)
     validator = _validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), sources))
     _check_data_source(config.get("data", {}), lambda key: _defined_in(["data", key], sources))
     config = copy.deepcopy(config)
+    presets = config.pop("presets")  # their defaults are filled after `inherit` (resolve_preset), not here
     try:
         validate(config, str(SCHEMA_PATH), set_default=True)
     except WorkflowError as error:  # our own pass above should have caught it first
         raise UserError(f"{', '.join(sources)}: {error}") from None
+    config["presets"] = presets
     for name in config["models"]:
         resolve_preset(config, name, sources)
     return config
@@ -199,7 +206,7 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
     if name not in presets:
         where = _defined_in(["models"], sources)
         raise UserError(
-            f"{where}: models lists unknown preset {name!r} (known presets: {', '.join(sorted(presets))})"
+            f"{where}: models lists unknown preset {name!r} (known presets: {paper.known_text(presets)})"
         )
     chain = [name]
     while "inherit" in presets[chain[-1]]:
@@ -208,7 +215,7 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
             where = _defined_in(["presets", chain[-1], "inherit"], sources)
             raise UserError(
                 f"{where}: presets.{chain[-1]}.inherit = {parent!r} is not a preset "
-                f"(known presets: {', '.join(sorted(presets))})"
+                f"(known presets: {paper.known_text(presets)})"
             )
         if parent in chain:
             raise UserError(f"{sources[-1]}: presets inherit in a circle: {' -> '.join(chain + [parent])}")
@@ -218,12 +225,13 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
         resolved = merge(resolved, {k: v for k, v in presets[preset_name].items() if k not in ("inherit", "paper")})
     # the paper's numbers belong to one row of a table; they are never inherited
     resolved["paper"] = copy.deepcopy(presets[name].get("paper", {}))
+    resolved = paper.fill_defaults(resolved, _schema())
     missing = [key for key in PRESET_KEYS if key not in resolved]
     if missing:
         where = _defined_in(["presets", chain[-1]], sources)
         raise UserError(
-            f"{where}: preset {name!r} (via {' -> '.join(chain)}) does not set {', '.join(missing)}; "
-            f"set them in presets.{chain[-1]} or inherit from a preset that does"
+            f"{where}: preset {name!r} (via {' -> '.join(chain)}) does not set {', '.join(missing)}, which have "
+            f"no default; set them in presets.{chain[-1]}, {paper.inherit_hint()}"
         )
     _check_heads(name, chain, resolved, sources)
     resolved["name"] = name

@@ -1,7 +1,8 @@
 """Parameter counts from the config alone, set beside the paper's params column (Table 3).
 
 ``count_parameters`` is the formula, so the big model and every Table 3 row are counted without
-building them; ``main`` prints the counts of a list of presets. At vocab_size 37000 the faithful model
+building them; ``main`` prints the counts of a list of presets: the paper's by name without a config
+(all of them when none is named), or those a config trains. At vocab_size 37000 the faithful model
 comes out about 2M under most of the paper's figures (63.1M for base against 65M): the paper rounds,
 and its exact vocabulary size is not given; the gap is reported, not fitted away.
 """
@@ -86,15 +87,29 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(formatted)
 
 
-def presets_from_config(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """The ``--preset-json`` entries of every preset a config trains, with its vocabulary size."""
-    from aiayn.config import load_config, model_fields, resolve_preset
+def presets_from_config(paths: Sequence[str] | None, names: Sequence[str] = (),
+                        vocab_size: int | None = None) -> list[dict[str, Any]]:
+    """The ``--preset-json`` entries of the presets ``names`` (every preset a config trains when none is
+    named), from the config files ``paths`` or, without them, the paper's presets at its vocabulary size."""
+    from aiayn.config import check_config, load_config, model_fields, resolve_preset
+    from aiayn.presets import paper_presets, paper_vocab_size
 
-    config = load_config(paths)
+    if paths:
+        config = load_config(paths)
+        models = list(names) or config["models"]
+        vocab_size = vocab_size or config["bpe"]["vocab_size"]
+    else:
+        models = list(names) or list(paper_presets())
+        unknown = [name for name in models if name not in paper_presets()]
+        if unknown:
+            raise UserError(f"aiayn params: no preset of the paper is named {', '.join(map(repr, unknown))} (the "
+                            f"paper's: {', '.join(paper_presets())}; a preset of your own: add --config FILE)")
+        config = check_config({"models": models}, ["aiayn params"])
+        vocab_size = vocab_size or paper_vocab_size()
     entries = []
-    for name in config["models"]:
-        preset = resolve_preset(config, name)
-        model = {"vocab_size": config["bpe"]["vocab_size"], **model_fields(preset)}
+    for name in models:
+        preset = resolve_preset(config, name, paths or ["aiayn params"])
+        model = {"vocab_size": vocab_size, **model_fields(preset)}
         entries.append({"preset": name, "model": model, "paper_params": preset["paper"].get("params")})
     return entries
 
@@ -105,17 +120,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m aiayn.params",
         description="Count model parameters and compare them with the paper's params column (Table 3).",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("names", nargs="*", metavar="PRESET",
+                        help="presets by name (without --config: the paper's, all of them when none is named)")
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order): every preset in `models`, at bpe.vocab_size")
     source.add_argument(
         "--preset-json",
         help='a JSON list of {"preset": name, "model": {ModelConfig fields}, "paper_params": number or null}',
     )
+    parser.add_argument("--vocab-size", type=int, metavar="N",
+                        help="the shared vocabulary the embeddings are counted at (default: the config's "
+                             "bpe.vocab_size, or the paper's 37000 without a config)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of {preset, params, paper_params}")
     args = parser.parse_args(argv)
-    if args.config:
-        presets = presets_from_config(args.config)
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UserError(f"--vocab-size {args.vocab_size} must be at least 1")
+    if args.preset_json is None:
+        presets = presets_from_config(args.config, args.names, args.vocab_size)
+    elif args.names:
+        raise UserError("preset names and --preset-json exclude each other: --preset-json gives the presets whole")
     else:
         try:
             presets = json.loads(args.preset_json)

@@ -229,6 +229,7 @@ def markdown_columns(table):
 
 
 def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
+    """The notes under a table; ``bootstrap_samples`` 0 for a table without the bootstrap's columns."""
     notes = (f"\n\nBLEU: `*_bleu_tok` is tokenized BLEU computed as the paper's script did (Moses tokenizer, "
              f"compound splitting); `*_sacrebleu` is detokenized sacreBLEU ({signature}).\n"
              "\n`*_length_ratio`: hypothesis length over reference length in sacreBLEU's tokens (below 1, "
@@ -245,8 +246,8 @@ def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
     if bootstrap_samples:
         notes += (f"\n`bootstrap_p_vs_base`: sacreBLEU's paired bootstrap ({bootstrap_samples} resamples, seed "
                   f"{BOOTSTRAP_SEED}) of detokenized dev BLEU against `{base}`, each seed paired with the base's "
-                  "of the same seed and the seeds pooled; `dev_sacrebleu_bootstrap_mean` and `_ci95` are the "
-                  "bootstrap mean and 95% confidence half-width.\n")
+                  f"of the same seed and the seeds pooled (empty for `{base}` itself); "
+                  "`dev_sacrebleu_bootstrap_mean` and `_ci95` are the bootstrap mean and 95% confidence half-width.\n")
     return notes
 
 
@@ -278,7 +279,6 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
         table3 = table3.merge(bootstrap, on="preset", how="left")
     out_dir = Path(out_dir)
     signature = runs["sacrebleu_signature"].iloc[0]
-    notes = _notes(signature, base, bootstrap_samples)
     written = []
     for name, table, title in zip(TABLES, (table2, table3), (
         "Table 2: the test split (newstest2014 in the paper), averaged checkpoints",
@@ -287,7 +287,11 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
         with atomic_path(out_dir / f"{name}.csv") as tmp:
             table.to_csv(tmp, index=False)
         shown, left_out = markdown_columns(table)
+        if "bootstrap_p_vs_base" in shown:  # the base against itself: an empty cell, not nan
+            shown = shown.astype({"bootstrap_p_vs_base": object})
+            shown.loc[shown["preset"] == base, "bootstrap_p_vs_base"] = None
         markdown = shown.to_markdown(index=False, floatfmt=".4g")
+        notes = _notes(signature, base, bootstrap_samples if "bootstrap_p_vs_base" in table else 0)
         left_out_note = (f"\nLeft out here, empty in every row (`{name}.csv` keeps them): "
                          f"{', '.join(f'`{column}`' for column in left_out)}.\n" if left_out else "")
         write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}{left_out_note}")

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from aiayn.config import REPO_ROOT
 from aiayn.errors import UserError
 from aiayn.fileio import write_text_atomic
 from aiayn.layout import METRICS, MLFLOW_LOGGED_STEP, MLFLOW_RUN_ID
@@ -27,12 +26,16 @@ def resolve_tracking_uri(configured: str | None) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or configured or "sqlite:///results/mlflow.db"
 
 
-def git_commit() -> str:
+def git_commit(folder: str | Path | None = None) -> str:
+    """The commit (``-dirty`` with uncommitted changes) of the repository the run happens in: the one
+    holding ``folder``, the working directory by default. "unknown" outside a repository or without git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        commit = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        def git(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["git", *args], cwd=folder or Path.cwd(), capture_output=True, text=True, timeout=10)
+
+        out = git("rev-parse", "HEAD")
+        commit = out.stdout.strip() if out.returncode == 0 else ""
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip() if commit else ""
         return (commit + ("-dirty" if dirty else "")) if commit else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

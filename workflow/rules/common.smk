@@ -1,10 +1,9 @@
 # Helpers, paths and target lists shared by the rules (no rules here).
+import os
 import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-
-sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from aiayn import layout
 from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_preset, to_json
@@ -19,7 +18,7 @@ def config_files():
         path = Path(path).resolve()
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
-    files = workflow.overwrite_configfiles or [Path(workflow.basedir) / "config" / "config.yaml"]
+    files = workflow.overwrite_configfiles or workflow.configfiles or [DEMO_CONFIG]
     return [shown(path) for path in files]
 
 
@@ -36,6 +35,11 @@ def all_cores():
         return workflow.cores
     except WorkflowError:
         return 1
+
+
+# The jobs run the `aiayn` of the Python that runs Snakemake (.venv/bin/snakemake works without an
+# activated environment; a cluster job runs Snakemake again, which does the same): its bin folder first.
+os.environ.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 
 # Validate once, before any job: one message naming the file and key, exit status 2. The files first, as
@@ -134,6 +138,13 @@ def show_job_messages(failed):
     """At the end of a run, every error and warning paragraph of the logs this run's jobs wrote, once
     each: a SLURM job's output never reaches this terminal, and a local job's is in its log."""
     print_job_messages(f"{RESULTS}/logs", LOGS_AT_START, failed)
+
+
+def show_report_folder():
+    """Where a finished run's tables and figures are, as the last line a user sees."""
+    folder = Path(rules.report.output.table2_md).parent
+    if folder.is_dir():
+        print(f"The report (Table 2, Table 3, figures): {folder}/ (e.g. {rules.report.output.table2_md})")
 
 
 def preset(wildcards):

@@ -15,10 +15,12 @@ rule train:
     threads: config["train"]["threads"] or 2
     log:
         log_file("train", *RUN_LOG),
+    # Sized by what the job runs on: a GPU job gets 8 cores and 64 GB of host memory per node; a CPU
+    # job (gpus: 0, the demo's) its threads and 8 GB, not a GPU node's share.
     resources:
         gpu=lambda w: preset(w)["gpus"],
-        cpus_per_gpu=8,
-        mem_mb=64000,
+        cpus_per_gpu=lambda w: 8 if preset(w)["gpus"] else 0,
+        mem_mb=lambda w: 64000 if preset(w)["gpus"] else 8000,
         runtime=lambda w: preset(w)["runtime_minutes"],
         attempt=attempt_number,
         log_every=config["train"]["log_every"],
