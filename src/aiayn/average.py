@@ -146,6 +146,10 @@ def main(argv=None):
                        if args.last is not None else [])
     refuse_overwriting_inputs({"--output": args.output}, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
                                                           "--log-to-run": args.log_to_run})
+    if args.log_to_run is not None:  # read before the work: a wrong path costs nothing and leaves nothing
+        from aiayn.tracking import read_run_file
+
+        read_run_file(args.log_to_run)
     # before the work: a folder named as the output, say, is refused at once; its folder is made only
     # when the model is written, so that a failed average leaves none
     prepare_output(args.output, create=False)

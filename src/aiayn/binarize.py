@@ -26,7 +26,8 @@ import numpy as np
 
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs
+from aiayn.fileio import (atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs,
+                          refuse_replacing_a_folder)
 from aiayn.layout import SPLIT_ARRAYS, SPLIT_META
 
 CHUNK_PAIRS = 20_000
@@ -167,6 +168,7 @@ def binarize_split(
     """
     refuse_overwriting_inputs({}, {"--src": src_path, "--tgt": tgt_path, "--spm-model": model_path},
                               {"--out-dir": out_dir})  # the folder is replaced as a whole
+    refuse_replacing_a_folder("--out-dir", out_dir, SPLIT_META, "aiayn binarize")
     if workers < 1:
         raise UserError(f"--workers {workers} must be at least 1")
     if max_tokens is not None and max_tokens < 1:
@@ -179,9 +181,6 @@ def binarize_split(
     if not pairs:
         raise UserError(f"{src_path}: the {split} split is empty")
     out_dir = Path(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SPLIT_META).exists():
-        raise UserError(f"{out_dir} is a folder that holds something other than a binarized split; "
-                        "give a new folder for --out-dir (it is replaced as a whole)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
     longer_sides = np.zeros(_LENGTH_BINS + 1, dtype=np.int64)  # pairs by their longer side's tokens
