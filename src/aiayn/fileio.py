@@ -113,11 +113,25 @@ def decompressed_name(path: Path, suffix: str) -> str:
     return str(path.with_name(f"{path.stem}.plain{path.suffix}"))
 
 
+def _is_torch_archive(path: Path, head: bytes) -> bool:
+    """Whether a zip archive is torch.save's: its entries are ``<name>/data.pkl``, ``<name>/data/0``, ..."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return b"/data.pkl" in head
+
+
 def _not_text(path: Path, head: bytes, tail: bytes) -> str | None:
     """Why a file whose first bytes are ``head`` (last bytes ``tail``) is not UTF-8 text, or None."""
     if head.startswith(b"BZh") and head[4:10] == b"1AY&SY":
         return (f"{path}: bzip2-compressed, not UTF-8 text; decompress it first: "
                 f"bunzip2 -c {path} > {decompressed_name(path, '.bz2')}")
+    if head.startswith(b"PK\x03\x04") and _is_torch_archive(path, head):
+        return (f"{path}: a PyTorch checkpoint or model file (a zip archive holding data.pkl), not text; a model "
+                "is given as --model, and this option takes the text itself")
     for magic, what, fix in _NOT_TEXT:
         if head.startswith(magic) and (magic != b"PAR1" or tail == b"PAR1"):
             fix = fix.format(path=path, xz=decompressed_name(path, ".xz"), zst=decompressed_name(path, ".zst"))

@@ -168,7 +168,10 @@ def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run
         previous = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         previous = None
-    marker.unlink(missing_ok=True)
+    try:
+        marker.unlink(missing_ok=True)
+    except OSError:  # no folder to hold it (a file stands in the log's path): the log is refused below
+        pass
     if (attempt > 1 and isinstance(previous, dict) and previous.get("attempt") == attempt - 1
             and previous.get("command") == list(command)):
         failed = previous.get("failed", attempt - 1)
