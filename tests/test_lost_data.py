@@ -293,7 +293,7 @@ def train_command(prepared: Path, run_dir: Path, *extra: str, **preset) -> list[
             *extra]
 
 
-@pytest.mark.parametrize("key, value", [("warmup_steps", 0), ("d_model", "32")])
+@pytest.mark.parametrize("key, value", [("warmup_steps", 0), ("lr_scale", -1.0)])
 def test_train_checks_its_preset_json_against_the_schema(prepared, tmp_path, key, value):
     from aiayn.config import _schema
 
