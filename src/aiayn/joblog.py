@@ -81,8 +81,6 @@ def refuse_log(message: str) -> None:
 
 def claim_log() -> None:
     """Open the pending log (its folder made), write what waited, and send all further output to it."""
-    from aiayn.errors import UserError
-
     log = _Log.path
     if log.is_dir():
         refuse_log(f"--log {log} is a folder; give the log a file name (e.g. {log / 'job.log'}) "
@@ -152,6 +150,27 @@ def end_with_parent() -> bool:
     return True
 
 
+def _settle_log(log: Path, command: Sequence[str], status: int) -> int:
+    """At the end of the stage: a log still pending is claimed now (a stage that never checked its
+    outputs, or failed before it did) unless the command line names it; a refused one gives the
+    terminal back what the stage printed. Returns the exit status."""
+    if _Log.state == "pending":  # a stage that never checked its outputs (or failed before it did)
+        from aiayn.errors import UserError
+
+        try:
+            named = _names_an_argument(log, command)
+            if named is not None:
+                refuse_log(f"--log {log} is {named}, named on the command line: writing the log would destroy "
+                           "it; give --log a file of its own")
+            claim_log()
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            status = USER_ERROR
+    if _Log.state == "refused":
+        _release_held_output()
+    return status
+
+
 def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run: Callable[[], int]) -> int:
     """Run ``run`` with all output in ``log``; on a retry after a user error, don't (see the module).
 
@@ -185,21 +204,13 @@ def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run
     _Log.path, _Log.state = log, "pending"
     _hold_output()
     end_with_parent()
-    status = run()
-    if _Log.state == "pending":  # a stage that never checked its outputs (or failed before it did)
-        from aiayn.errors import UserError
-
-        try:
-            named = _names_an_argument(log, command)
-            if named is not None:
-                refuse_log(f"--log {log} is {named}, named on the command line: writing the log would destroy "
-                           "it; give --log a file of its own")
-            claim_log()
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            status = USER_ERROR
-    if _Log.state == "refused":
-        _release_held_output()
+    try:
+        status = run()
+    except BaseException:  # a crash: its traceback goes where the output went, the log or the terminal
+        _settle_log(log, command, 1)
+        raise
+    status = _settle_log(log, command, status)
+    if _Log.state != "claimed":
         return status
     if status == USER_ERROR:
         sys.stdout.flush()
