@@ -255,8 +255,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="overrides decode.workers (the Snakefile passes it apart: it changes no output)")
     args = parser.parse_args(argv)
-    refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout}, {"--input": args.input, "--model": args.model,
-                                                          "--spm-model": args.spm_model, "--config": args.config})
+    refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
+                              {"--input": args.input, "--model": args.model, "--spm-model": args.spm_model,
+                               "--config": args.config})
 
     section = section_from_arguments(args, "decode")
     if args.workers is not None:

@@ -289,7 +289,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="an averaged model.pt or a training checkpoint")
     parser.add_argument("--spm-model", required=True, help="the run's SentencePiece model (spm.model)")
     parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--out", required=True, help=f"a new folder to write (or a previous export, which holds {EXPORT_MARKER} and is replaced)")
+    parser.add_argument("--out", required=True,
+                        help=f"a new folder to write (or a previous export, which holds {EXPORT_MARKER} and is replaced)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="ctranslate2 only: the engine's weight type (default: float32, as trained)")
     return parser

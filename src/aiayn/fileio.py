@@ -420,8 +420,9 @@ def refuse_replacing_a_folder(option: str, folder: str | os.PathLike, marker: st
         raise UserError(f"{option} {folder} is a file, but {stage} writes a folder there; {fix}")
     resolved, here = folder.resolve(), Path.cwd().resolve()
     if resolved == here or resolved in here.parents:
-        raise UserError(f"{option} {folder} is the working directory{'' if resolved == here else ' or a folder above it'}"
-                        f"; {stage} replaces its {option} folder as a whole, which would remove everything in it; {fix}")
+        where = "the working directory" if resolved == here else "a folder above the working directory"
+        raise UserError(f"{option} {folder} is {where}; {stage} replaces its {option} folder as a whole, which would "
+                        f"remove everything in it; {fix}")
     names = sorted(entry.name for entry in folder.iterdir())
     if not names or marker in names and (folder / marker).is_file():
         return
