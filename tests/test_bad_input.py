@@ -352,7 +352,7 @@ REFUSED = [
             ("translations is a directory",), "give the name of the file to write"),
     Refused("decode: a model file that is not a checkpoint",
             lambda case, shared: decode(case, shared, model=str(write(case / "model.pt", b"hello\n"))),
-            ("model.pt", "cannot be loaded"), "delete it"),
+            ("model.pt", "not a checkpoint (a text file)"), "give a checkpoint or model file", absent=("corrupt",)),
     # translate
     Refused("translate: a file that is not a SentencePiece model",
             lambda case, shared: ["translate", "--model", str(case / "model.pt"), "--spm-model",

@@ -164,6 +164,10 @@ def main(argv=None):
         raise UserError("--summary is where the dev comparison goes: give --dev-data too, or leave --summary out")
     if args.dev_tokens < 1:
         raise UserError(f"--dev-tokens {args.dev_tokens}: give the tokens of one dev batch, at least 1")
+    if args.log_to_run is not None:  # read before the work: a wrong path costs nothing and leaves nothing
+        from aiayn.tracking import read_run_file
+
+        read_run_file(args.log_to_run)
     # before the work: a folder named as the output, say, is refused at once; its folder is made only
     # when the model is written, so that a failed average leaves none
     prepare_output(args.output, create=False)

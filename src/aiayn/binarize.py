@@ -26,7 +26,8 @@ import numpy as np
 
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs, same_file
+from aiayn.fileio import (atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs,
+                          refuse_replacing_a_folder, same_file)
 from aiayn.layout import SPLIT_ARRAYS, SPLIT_META
 
 CHUNK_PAIRS = 20_000
@@ -172,6 +173,7 @@ def binarize_split(
     if same_file(src_path, tgt_path):
         raise UserError(f"--src {src_path} and --tgt {tgt_path} are one file: a parallel corpus pairs each "
                         "sentence with its translation; give the target language's file as --tgt")
+    refuse_replacing_a_folder("--out-dir", out_dir, SPLIT_META, "aiayn binarize")
     if workers < 1:
         raise UserError(f"--workers {workers} must be at least 1")
     if max_tokens is not None and max_tokens < 1:
@@ -184,9 +186,6 @@ def binarize_split(
     if not pairs:
         raise UserError(f"{src_path}: the {split} split is empty")
     out_dir = Path(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SPLIT_META).exists():
-        raise UserError(f"{out_dir} is a folder that holds something other than a binarized split; "
-                        "give a new folder for --out-dir (it is replaced as a whole)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
     longer_sides = np.zeros(_LENGTH_BINS + 1, dtype=np.int64)  # pairs by their longer side's tokens

@@ -14,6 +14,7 @@ the one way the stages load a trained model from either.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,9 +38,25 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         raise UserError(f"{path}: no such checkpoint file (check the path or the checkpoint directory)")
     open_input(path).close()  # a file this user may not read is named so, not called corrupt
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a pickle of another protocol warns before it is refused below
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "Weights only load failed" in reason:
+            raise UserError(
+                f"{path}: a checkpoint holding code (pickled Python objects, not only tensors and plain values), "
+                "which is not loaded for safety: loading it would run that code; give a checkpoint or model file "
+                "written by `aiayn train` or `aiayn average`"
+            ) from None
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+        if not head.startswith((b"PK\x03\x04", b"\x80")):  # neither torch's zip format nor a pickle
+            what = "a text file" if _looks_like_text(path) else f"its first bytes are {head!r}"
+            raise UserError(
+                f"{path}: not a checkpoint ({what}); give a checkpoint or model file written by `aiayn train` "
+                "(step_*.pt, final.pt) or `aiayn average` (model.pt)"
+            ) from None
         raise UserError(
             f"{path}: cannot be loaded, the file is corrupt or truncated (perhaps written by a job "
             f"that was killed) [{reason}]; delete it, or average other checkpoints"
@@ -59,6 +76,16 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         if key not in checkpoint:
             raise UserError(f"{path}: a {checkpoint['format']} file without its {key!r} entry; the file is damaged")
     return checkpoint
+
+
+def _looks_like_text(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        head = handle.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start > len(head) - 4  # a character cut at the end of what was read
+    return b"\x00" not in head
 
 
 def load_model(

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import (count_lines, iter_lines, prepare_output, refuse_overwriting_inputs, temporary_prefix,
-                          write_json_atomic)
+from aiayn.fileio import (count_lines, iter_lines, missing_folders, prepare_output, refuse_overwriting_inputs,
+                          remove_empty_folders, temporary_prefix, write_json_atomic)
 from aiayn.data_checks import held_out_notes, warnings
 from aiayn.layout import DATA_STATS, text_name
 
@@ -359,8 +359,11 @@ def download(data: dict, out_dir: str | Path) -> dict:
         sources = {split: open_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
     held_out = held_out_notes(data, sources)
     max_length_ratio = data.get("max_length_ratio")
+    # what a failed download made is removed again: it leaves nothing behind
+    created = [out_dir] * (not out_dir.exists()) + missing_folders(out_dir)
     prepare_output(out_dir, directory=True)
     tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(out_dir), dir=out_dir.parent))
+    done = False
     try:
         all_stats, split_stats = {}, {}
         for split, source in sources.items():
@@ -392,8 +395,11 @@ def download(data: dict, out_dir: str | Path) -> dict:
             for lang in (src_lang, tgt_lang):
                 os.replace(tmp / text_name(split, lang), out_dir / text_name(split, lang))
         os.replace(tmp / DATA_STATS, out_dir / DATA_STATS)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            remove_empty_folders([folder for folder in created if folder.exists()])
     for note in summary.get("warnings", []):
         print(f"warning: {note}", file=sys.stderr)
     return summary

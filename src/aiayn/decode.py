@@ -285,8 +285,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-source-tokens", type=int, default=None,
                         help="overrides decode.max_source_tokens (passed apart, as --workers is)")
     args = parser.parse_args(argv)
-    refuse_overwriting_inputs({"--output": args.output}, {"--input": args.input, "--model": args.model,
-                                                          "--spm-model": args.spm_model, "--config": args.config})
+    refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
+                              {"--input": args.input, "--model": args.model, "--spm-model": args.spm_model,
+                               "--config": args.config})
 
     section = section_from_arguments(args, "decode")
     if args.workers is not None:

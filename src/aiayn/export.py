@@ -33,6 +33,8 @@ from aiayn.model import Transformer, sinusoid_table
 FORMATS = ("ctranslate2", "huggingface")
 # CTranslate2 4.8's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES).
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
+# The file every export writes into its folder: a later export may replace a folder that holds it, no other.
+EXPORT_MARKER = "aiayn-export.json"
 # Sinusoids extend to any length: the exported table has at least this many rows (ours grows on demand).
 MIN_SINUSOID_ROWS = 1024
 
@@ -47,6 +49,12 @@ def _require(package: str, version: str):
             f"exporting to this format needs the {package} package, which is not installed; "
             f"install it with `pip install {package}=={version}` (or the project's test extra: pip install -e '.[test]')"
         ) from None
+
+
+def write_marker(folder: Path, target: str) -> None:
+    """Mark ``folder`` as an export of ours, so that the next export to the same --out may replace it."""
+    (folder / EXPORT_MARKER).write_text(json.dumps({"written_by": "aiayn export", "format": target}) + "\n",
+                                        encoding="utf-8")
 
 
 def position_table(model: Transformer) -> Tensor:
@@ -147,6 +155,7 @@ def export_ctranslate2(model: Transformer, pieces: Sequence[str], out_dir: str |
     with atomic_path(out_dir, directory=True) as tmp:
         tmp.mkdir()
         spec.save(str(tmp))
+        write_marker(tmp, "ctranslate2")
     return Path(out_dir)
 
 
@@ -271,6 +280,7 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
                                     model_max_length=positions)
         tokenizer.save_pretrained(tmp)
         tmp_spm.unlink()
+        write_marker(tmp, "huggingface")
     return Path(out_dir)
 
 
@@ -279,7 +289,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="an averaged model.pt or a training checkpoint")
     parser.add_argument("--spm-model", required=True, help="the run's SentencePiece model (spm.model)")
     parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    parser.add_argument("--out", required=True,
+                        help=f"a new folder to write (or a previous export, which holds {EXPORT_MARKER} and is replaced)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="ctranslate2 only: the engine's weight type (default: float32, as trained)")
     return parser
@@ -289,13 +300,17 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.bpe import load_processor
     from aiayn.checkpoint import load_model
-    from aiayn.fileio import prepare_output
+    from aiayn.fileio import prepare_output, refuse_overwriting_inputs, refuse_replacing_a_folder
 
     args = arguments().parse_args(argv)
     if args.quantization is not None and args.format != "ctranslate2":
         raise UserError(f"--quantization {args.quantization} is for --format ctranslate2 only; "
                         "a Hugging Face export keeps the trained float32 weights (drop --quantization)")
-    prepare_output(args.out, directory=True)
+    # all before the work: the folder is replaced as a whole, so it may hold no input and nothing of the user's;
+    # its folder is made only when the export is written, so that a failed export leaves nothing behind
+    refuse_overwriting_inputs({}, {"--model": args.model, "--spm-model": args.spm_model}, {"--out": args.out})
+    refuse_replacing_a_folder("--out", args.out, EXPORT_MARKER, "aiayn export")
+    prepare_output(args.out, directory=True, create=False)
     model = load_model(args.model, "cpu", spm_model=args.spm_model)
     if args.format == "ctranslate2":
         processor = load_processor(args.spm_model)

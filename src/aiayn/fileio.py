@@ -113,11 +113,25 @@ def decompressed_name(path: Path, suffix: str) -> str:
     return str(path.with_name(f"{path.stem}.plain{path.suffix}"))
 
 
+def _is_torch_archive(path: Path, head: bytes) -> bool:
+    """Whether a zip archive is torch.save's: its entries are ``<name>/data.pkl``, ``<name>/data/0``, ..."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return b"/data.pkl" in head
+
+
 def _not_text(path: Path, head: bytes, tail: bytes) -> str | None:
     """Why a file whose first bytes are ``head`` (last bytes ``tail``) is not UTF-8 text, or None."""
     if head.startswith(b"BZh") and head[4:10] == b"1AY&SY":
         return (f"{path}: bzip2-compressed, not UTF-8 text; decompress it first: "
                 f"bunzip2 -c {path} > {decompressed_name(path, '.bz2')}")
+    if head.startswith(b"PK\x03\x04") and _is_torch_archive(path, head):
+        return (f"{path}: a PyTorch checkpoint or model file (a zip archive holding data.pkl), not text; a model "
+                "is given as --model, and this option takes the text itself")
     for magic, what, fix in _NOT_TEXT:
         if head.startswith(magic) and (magic != b"PAR1" or tail == b"PAR1"):
             fix = fix.format(path=path, xz=decompressed_name(path, ".xz"), zst=decompressed_name(path, ".zst"))
@@ -351,7 +365,15 @@ def refuse_overwriting_inputs(outputs: Mapping[str, Paths], inputs: Mapping[str,
     (relative spellings, ``..`` and symbolic links included) or are one file (a hard link).
     ``replaced_folders`` names folders the stage replaces as a whole: no input may be inside one.
     One UserError names the output's option and path, the input it would destroy, and the fix.
+    A pending ``aiayn --log FILE`` is checked first, against the inputs and the outputs, and opened only
+    when it is neither (``joblog.claim_log``): the log is an output like any other.
     """
+    _check_the_log(outputs, inputs, replaced_folders or {})
+    _refuse_outputs_that_are_inputs(outputs, inputs, replaced_folders)
+
+
+def _refuse_outputs_that_are_inputs(outputs: Mapping[str, Paths], inputs: Mapping[str, Paths],
+                                    replaced_folders: Mapping[str, str | os.PathLike | None] | None = None) -> None:
     sources = [(option, path, _resolved(path), _regular_file_id(path))
                for option, value in inputs.items() for path in _each(value)]
     for option, value in outputs.items():
@@ -369,9 +391,10 @@ def refuse_overwriting_inputs(outputs: Mapping[str, Paths], inputs: Mapping[str,
                     how = f" (both are {resolved})"
                 else:
                     how = " (the same file under another name: a hard link)"
-                what = (f"{option} is redirected into the input {source_option} {source}" if stream else
-                        f"{option} would write {output}, which is the input {source_option} {source}" if several else
-                        f"{option} {output} is the input {source_option} {source}")
+                named = source_option if hasattr(source, "fileno") else f"{source_option} {source}"
+                what = (f"{option} is redirected into the input {named}" if stream else
+                        f"{option} would write {output}, which is the input {named}" if several else
+                        f"{option} {output} is the input {named}")
                 fix = (f"send {option} to a file of its own" if stream else
                        f"give {option} a {'folder' if several else 'path'} of its own")
                 raise UserError(f"{what}{how}: writing it would destroy that input; {fix} "
@@ -386,6 +409,64 @@ def refuse_overwriting_inputs(outputs: Mapping[str, Paths], inputs: Mapping[str,
                 raise UserError(f"{option} {folder} holds the input {source_option} {source}, and this command "
                                 f"replaces that folder as a whole: writing it would destroy that input; give "
                                 f"{option} a folder that holds none of the inputs (nothing was read or written)")
+
+
+def refuse_replacing_a_folder(option: str, folder: str | os.PathLike, marker: str, stage: str) -> None:
+    """Refuse, before the work, a folder that a stage would replace as a whole but did not write.
+
+    ``folder`` may be new, empty, or a folder this stage wrote before, which it recognises by the file
+    ``marker`` inside; anything else (the user's own files, the working directory, a symbolic link,
+    whose target would be replaced) is a UserError naming what the folder holds.
+    """
+    folder = Path(folder)
+    fix = f"give {option} a new folder (nothing was read or written)"
+    if folder.is_symlink():
+        raise UserError(f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); {stage} replaces its "
+                        f"{option} folder as a whole and does not write through a link; {fix}")
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise UserError(f"{option} {folder} is a file, but {stage} writes a folder there; {fix}")
+    resolved, here = folder.resolve(), Path.cwd().resolve()
+    if resolved == here or resolved in here.parents:
+        where = "the working directory" if resolved == here else "a folder above the working directory"
+        raise UserError(f"{option} {folder} is {where}; {stage} replaces its {option} folder as a whole, which would "
+                        f"remove everything in it; {fix}")
+    names = sorted(entry.name for entry in folder.iterdir())
+    if not names or marker in names and (folder / marker).is_file():
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise UserError(f"{option} {folder} is an existing folder that {stage} did not write (it holds {shown}: "
+                    f"{len(names)} {'entry' if len(names) == 1 else 'entries'}, no {marker}); {stage} replaces its "
+                    f"{option} folder as a whole, so it writes only a new or empty folder or one it wrote before; "
+                    f"{fix}")
+
+
+def _check_the_log(outputs: Mapping[str, Paths], inputs: Mapping[str, Paths],
+                   replaced_folders: Mapping[str, str | os.PathLike | None]) -> None:
+    """Claim the pending ``--log`` if it is none of the inputs, outputs or replaced folders' files."""
+    from aiayn import joblog
+
+    log = joblog.pending_log()
+    if log is None:
+        return
+    try:
+        _refuse_outputs_that_are_inputs({"--log": log}, inputs)
+        log_resolved, log_identity = _resolved(log), _regular_file_id(log)
+        for option, value in outputs.items():
+            for output in _each(value):
+                if not hasattr(output, "fileno") and (_resolved(output) == log_resolved or (
+                        log_identity is not None and _regular_file_id(output) == log_identity)):
+                    raise UserError(f"--log {log} is also the output {option} {output}: each would overwrite the "
+                                    "other; give --log a file of its own (nothing was read or written)")
+        for option, folder in replaced_folders.items():
+            if folder is not None and Path(folder).resolve() in log_resolved.parents:
+                raise UserError(f"--log {log} is inside {option} {folder}, which this command replaces as a whole: "
+                                "the log would be lost with it; give --log a path outside that folder "
+                                "(nothing was read or written)")
+    except UserError as error:
+        joblog.refuse_log(str(error))
+    joblog.claim_log()
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -502,12 +583,16 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
     done = False
     try:
         yield tmp
+        old = None
         if directory and target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
+            old = Path(f"{tmp}_old")  # moved aside, then removed: the new folder is in place at once
+            os.replace(target, old)
         elif target.is_dir():  # made while we wrote: still never replace a folder by a file
             raise UserError(f"{target} is a directory; give the name of the file to write")
         os.replace(tmp, target)
         done = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

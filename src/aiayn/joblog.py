@@ -2,7 +2,10 @@
 
 Every rule runs its stage as ``aiayn --log {log} --attempt {resources.attempt} <stage> ...``:
 
-- All output of the stage (and of its worker processes) goes to the log file.
+- All output of the stage (and of its worker processes) goes to the log file. The log is an output like
+  any other: it is opened only once the stage has checked that it is none of its inputs or outputs
+  (``refuse_overwriting_inputs`` claims it); until then the output waits in a temporary file, and a
+  log that is refused, or cannot be written, is never touched: its message goes to the terminal.
 - A user error (exit status 2) is final: running the same command again cannot change it. Snakemake
   retries a failed job whatever its exit status (``retries`` in the profiles, for preempted and
   killed jobs), so a retry of a command whose previous attempt ended with status 2 is not run
@@ -34,14 +37,95 @@ def _marker(log: Path) -> Path:
     return log.with_name(f".{log.name}.user-error")
 
 
-def _redirect_output(log: Path) -> None:
-    """Point this process's stdout and stderr (and so its children's) at ``log``, for good."""
+class _Log:
+    """The ``--log`` of this process while it is not yet opened: its path, where output waits, and the
+    terminal's own stdout and stderr (for the message of a log that is refused)."""
+
+    path: Path | None = None
+    state = "none"  # "pending" (output held back), "claimed" (output in the log), "refused" (never opened)
+    held = None  # the temporary file that fds 1 and 2 point at while pending
+    terminal: tuple[int, int] | None = None
+
+
+def _hold_output() -> None:
+    """Point stdout and stderr at a temporary file until the log is claimed (or refused)."""
+    import tempfile
+
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    _Log.terminal = (os.dup(1), os.dup(2))
+    _Log.held = tempfile.TemporaryFile()
+    os.dup2(_Log.held.fileno(), 1)
+    os.dup2(_Log.held.fileno(), 2)
+
+
+def _held_text() -> bytes:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return os.pread(_Log.held.fileno(), max(os.fstat(_Log.held.fileno()).st_size, 1), 0)
+
+
+def pending_log() -> Path | None:
+    """The ``--log`` this process has not opened yet (None when there is none, or it is open)."""
+    return _Log.path if _Log.state == "pending" else None
+
+
+def refuse_log(message: str) -> None:
+    """The pending log may not be written: it is never opened, and ``message`` (a UserError's) ends up
+    on the terminal with whatever the stage printed."""
+    from aiayn.errors import UserError
+
+    _Log.state = "refused"
+    raise UserError(message)
+
+
+def claim_log() -> None:
+    """Open the pending log (its folder made), write what waited, and send all further output to it."""
+    log = _Log.path
+    if log.is_dir():
+        refuse_log(f"--log {log} is a folder; give the log a file name (e.g. {log / 'job.log'}) "
+                   "(nothing was read or written)")
+    from aiayn.fileio import missing_folders, remove_empty_folders
+
+    created = missing_folders(log)
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as error:
+        remove_empty_folders(created)
+        reason = "permission denied" if isinstance(error, PermissionError) else (error.strerror or str(error))
+        refuse_log(f"--log {log} cannot be written ({reason}: its folder {log.parent} may be read-only or missing "
+                   "a part); give --log a path in a folder you can write (nothing was read or written)")
+    os.write(fd, _held_text())
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    _Log.state = "claimed"
+
+
+def _release_held_output() -> None:
+    """A log that was refused: what the stage printed goes to the terminal after all."""
+    text = _held_text()
+    os.dup2(_Log.terminal[0], 1)
+    os.dup2(_Log.terminal[1], 2)
+    os.write(2, text)
+
+
+def _names_an_argument(log: Path, command: Sequence[str]) -> str | None:
+    """The argument of ``command`` that names the file ``log`` (for a stage that never checked its log)."""
+    try:
+        log_id = os.stat(log)
+    except OSError:
+        return None
+    for argument in command:
+        for candidate in (argument, argument.partition("=")[2]):
+            try:
+                other = os.stat(candidate) if candidate else None
+            except OSError:
+                continue
+            if other is not None and (other.st_dev, other.st_ino) == (log_id.st_dev, log_id.st_ino):
+                return candidate
+    return None
 
 
 def end_with_parent() -> bool:
@@ -66,6 +150,27 @@ def end_with_parent() -> bool:
     return True
 
 
+def _settle_log(log: Path, command: Sequence[str], status: int) -> int:
+    """At the end of the stage: a log still pending is claimed now (a stage that never checked its
+    outputs, or failed before it did) unless the command line names it; a refused one gives the
+    terminal back what the stage printed. Returns the exit status."""
+    if _Log.state == "pending":  # a stage that never checked its outputs (or failed before it did)
+        from aiayn.errors import UserError
+
+        try:
+            named = _names_an_argument(log, command)
+            if named is not None:
+                refuse_log(f"--log {log} is {named}, named on the command line: writing the log would destroy "
+                           "it; give --log a file of its own")
+            claim_log()
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            status = USER_ERROR
+    if _Log.state == "refused":
+        _release_held_output()
+    return status
+
+
 def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run: Callable[[], int]) -> int:
     """Run ``run`` with all output in ``log``; on a retry after a user error, don't (see the module).
 
@@ -77,13 +182,15 @@ def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run
     that follows belongs in the log.
     """
     log = Path(log)
-    log.parent.mkdir(parents=True, exist_ok=True)
     marker = _marker(log)
     try:
         previous = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         previous = None
-    marker.unlink(missing_ok=True)
+    try:
+        marker.unlink(missing_ok=True)
+    except OSError:  # no folder to hold it (a file stands in the log's path): the log is refused below
+        pass
     if (attempt > 1 and isinstance(previous, dict) and previous.get("attempt") == attempt - 1
             and previous.get("command") == list(command)):
         failed = previous.get("failed", attempt - 1)
@@ -94,9 +201,17 @@ def run_logged(log: str | os.PathLike, attempt: int, command: Sequence[str], run
         _write_marker(marker, attempt, command, text, failed)
         print(note, end="", file=sys.stderr)
         return USER_ERROR
-    _redirect_output(log)
+    _Log.path, _Log.state = log, "pending"
+    _hold_output()
     end_with_parent()
-    status = run()
+    try:
+        status = run()
+    except BaseException:  # a crash: its traceback goes where the output went, the log or the terminal
+        _settle_log(log, command, 1)
+        raise
+    status = _settle_log(log, command, status)
+    if _Log.state != "claimed":
+        return status
     if status == USER_ERROR:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -228,8 +228,12 @@ def main(argv=None):
     parser.add_argument("--split", default="test", help="metric name prefix with --log-to-run (dev or test)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     args = parser.parse_args(argv)
-    refuse_overwriting_inputs({"--output": args.output},
+    refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
                               {"--hyp": args.hyp, "--ref": args.ref, "--log-to-run": args.log_to_run})
+    if args.log_to_run is not None:  # read before the work: a wrong path costs nothing and leaves nothing
+        from aiayn.tracking import read_run_file
+
+        read_run_file(args.log_to_run)
     if args.output is not None:
         prepare_output(args.output, create=False)  # refused before scoring, not after; its folder made when written
     result = score_files(args.hyp, args.ref, args.lang)

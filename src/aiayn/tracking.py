@@ -239,6 +239,7 @@ class Tracker:
         """Open (or, resuming, reopen) the run. ``datasets``: (name, fingerprint, source, context) of
         each split trained or evaluated on, logged as MLflow dataset inputs of a new run."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        new_metrics = not (self.run_dir / METRICS).exists()
         self._logged_step = _last_logged_step(self.run_dir / METRICS)
         marker = self.run_dir / MLFLOW_LOGGED_STEP
         self._mlflow_logged_step = int(marker.read_text()) if marker.exists() else -1
@@ -279,6 +280,9 @@ class Tracker:
                               for name, digest, source, context in datasets]
                     _retry(lambda: self.client.log_inputs(self.run_id, datasets=inputs), "dataset inputs")
         except Exception as error:
+            if new_metrics:  # a run that never started leaves nothing it created (its folder goes at exit)
+                self._jsonl.close()
+                (self.run_dir / METRICS).unlink(missing_ok=True)
             if isinstance(error, UserError):
                 raise
             raise UserError(
@@ -381,11 +385,28 @@ def _last_logged_step(path: Path) -> int:
     return last
 
 
+def read_run_file(run_file: str | Path) -> dict:
+    """A training run's ``final.json`` (what ``--log-to-run`` names), read before a stage does its work,
+    so that a wrong path costs nothing and leaves nothing behind; a UserError says what it is instead."""
+    from aiayn.fileio import check_input_path
+
+    path = check_input_path(run_file)
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"--log-to-run {path}: not a training run's final.json (not JSON: {error}); give the "
+                        "final.json that `aiayn train` wrote in the run folder") from None
+    if not isinstance(info, dict):
+        raise UserError(f"--log-to-run {path}: not a training run's final.json (JSON, but not an object); give the "
+                        "final.json that `aiayn train` wrote in the run folder")
+    return info
+
+
 def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics: dict[str, float],
                         artifacts: list[str | Path] = (), artifact_path: str | None = None,
                         params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> str | None:
     """Log metrics/artifacts/tags of a later stage into the training run named by ``final.json``."""
-    info = json.loads(Path(run_file).read_text())
+    info = read_run_file(run_file)
     run_id = info.get("mlflow_run_id")
     if not run_id:
         print(f"warning: {run_file} names no MLflow run; metrics not tracked", file=sys.stderr)

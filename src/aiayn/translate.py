@@ -13,13 +13,41 @@ All of stdin is read before decoding starts, so that sentences of similar length
 from __future__ import annotations
 
 import argparse
+import gzip
+import os
+import stat
 import sys
+import zlib
+from pathlib import Path
 from typing import Sequence, TextIO
 
 from aiayn.decode import add_runtime_arguments, hypothesis_text, load_runtime, tokens_per_batch_argument, translate
 from aiayn.errors import UserError, cli
-from aiayn.fileio import refuse_overwriting_inputs
+from aiayn.fileio import GZIP_MAGIC, _not_text, refuse_overwriting_inputs
 from aiayn.search import SearchConfig
+
+# What decompresses each format that _not_text names into a pipe.
+_DECOMPRESS = (("xz", "xz -dc"), ("zstd", "zstd -dc"), ("bzip2", "bunzip2 -c"), ("zip archive", "unzip -p"),
+               ("UTF-16", "iconv -f UTF-16 -t UTF-8"), ("UTF-32", "iconv -f UTF-32 -t UTF-8"))
+
+
+def refuse_stdin_emptied_by_stdout() -> None:
+    """``translate < f > f``: the shell emptied f before the command started, so there is nothing to read;
+    say so (and that the text is gone from f) instead of translating nothing in silence."""
+    try:
+        stdin, stdout = os.fstat(0), os.fstat(1)
+    except OSError:
+        return
+    if not (stat.S_ISREG(stdin.st_mode) and (stdin.st_dev, stdin.st_ino) == (stdout.st_dev, stdout.st_ino)):
+        return
+    try:
+        name = os.readlink("/proc/self/fd/0")
+    except OSError:
+        name = "that file"
+    if stdin.st_size == 0:
+        raise UserError(f"stdin is empty: stdout and stdin are the same file ({name}), which the shell emptied "
+                        "before translate started (`< f > f`); its text is no longer in it; send stdout to "
+                        "another file (aiayn translate ... < f > f.out)")
 
 
 def read_source(stream) -> list[str]:
@@ -29,6 +57,18 @@ def read_source(stream) -> list[str]:
     input would be one sentence, its translation one line for many; so are NUL bytes.
     """
     raw = stream.read()
+    if raw.startswith(GZIP_MAGIC):  # read through, as the file readers do
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as error:
+            raise UserError(f"stdin: damaged gzip data ({error}); check the file with gzip -t") from None
+    reason = _not_text(Path("stdin"), raw[:64], raw[-4:])
+    if reason:
+        what = reason.split("; ", 1)[0]
+        tool = next((tool for word, tool in _DECOMPRESS if word in what), None)
+        fix = (f"decompress it on the way in: {tool} FILE | aiayn translate ..." if tool else
+               "give UTF-8 text (iconv -t UTF-8 re-encodes text)")
+        raise UserError(f"{what}; {fix}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -85,8 +125,11 @@ def arguments() -> argparse.ArgumentParser:
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
     args = arguments().parse_args(argv)
-    # `> model.pt` has emptied the model already (loading it says so); `>> model.pt` would append to it
-    refuse_overwriting_inputs({"stdout": sys.stdout}, {"--model": args.model, "--spm-model": args.spm_model})
+    # `> model.pt` has emptied the model already (loading it says so); `>> model.pt` would append to it,
+    # and `< f >> f` would grow the file it reads
+    refuse_stdin_emptied_by_stdout()
+    refuse_overwriting_inputs({"stdout": sys.stdout}, {"--model": args.model, "--spm-model": args.spm_model,
+                                                       "stdin": sys.stdin})
 
     config = SearchConfig(
         beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,

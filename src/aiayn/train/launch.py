@@ -123,6 +123,23 @@ def _release_run_lock(handle, lock_path: Path, created: list[Path]) -> None:
     remove_empty_folders(created)
 
 
+def check_preset_json(preset, source: str) -> None:
+    """A resolved preset given as JSON is checked as a config's preset is: every key set, and each value
+    against the schema's ``$defs.preset`` (types and bounds: ``warmup_steps: 0`` is refused here, not met as
+    a division by zero at step 1). The resolved preset also carries its ``name``."""
+    import jsonschema
+
+    from aiayn.config import _schema, _schema_error_message
+
+    check_resolved_preset(preset, source)
+    definitions = _schema().get("$defs", {})
+    schema = {"$defs": definitions, **definitions["preset"]}
+    schema["properties"] = {**schema["properties"], "name": {"type": "string"}}
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(preset))
+    if errors:
+        raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), [source]))
+
+
 def _report_status(status: int) -> int:
     """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
     target = os.environ.get("AIAYN_STATUS_FILE")
@@ -167,7 +184,7 @@ def main(argv=None):
             raise UserError(f"--log-every {args.log_every} must be at least 1")
         train_section = {**train_section, "log_every": args.log_every}
     train_section = check_section("train", train_section, "--train-json")
-    check_resolved_preset(preset, "--preset-json")
+    check_preset_json(preset, "--preset-json")
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
