@@ -14,17 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aiayn import search
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
-from aiayn.search import (
-    SearchConfig,
-    beam_search,
-    greedy_search,
-    length_penalty,
-    max_output_lengths,
-    stable_slots,
-    surviving_order,
-    top_k,
-)
+from aiayn.search import SearchConfig, beam_search, greedy_search, length_penalty, max_output_lengths
+from aiayn.speed.decoder_cache import DecoderCache
 from aiayn.speed.incremental import InferenceModel
+from aiayn.speed.search_steps import stable_slots, surviving_order, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
@@ -97,8 +90,17 @@ class CountingTransformer(InferenceModel):
 
 
 class BigramCache:
+    filled = 0
+
     def __init__(self, src_pad):
         self.src_pad = src_pad
+
+    def reorder(self, index, sources=None, starts=None, copied=None):
+        self.src_pad = self.src_pad.index_select(0, index)
+        return self
+
+    def copy_starts(self, index, sources=None):
+        return torch.zeros_like(index)
 
 
 class BigramModel(nn.Module):
@@ -122,12 +124,6 @@ class BigramModel(nn.Module):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index, sources=None, copied=None):
-        cache.src_pad = cache.src_pad.index_select(0, index)
-        return cache
-
-    def copy_lengths(self, cache, index, sources=None):
-        return torch.zeros_like(index)
 
 
 A, B, C = 5, 6, 7
@@ -217,12 +213,17 @@ def test_surviving_order_keeps_places_and_fills_holes_from_the_end():
     assert surviving_order(torch.tensor([True, True, False, False])).tolist() == [2, 3, 0, 1]
 
 
-class FullCopyTransformer(InferenceModel):
-    """Copies the whole written history of every row that moves, as reorder_cache did before it compared
+class FullCopyCache(DecoderCache):
+    """Copies the whole written history of every row that moves, as the reorder did before it compared
     the tokens fed."""
 
-    def copy_starts(self, cache, index, sources=None):
-        return torch.where(index.eq(torch.arange(index.shape[0])), cache.filled, 0)
+    def copy_starts(self, index, sources=None):
+        return torch.where(index.eq(torch.arange(index.shape[0])), self.filled, 0)
+
+
+class FullCopyTransformer(InferenceModel):
+    def init_cache(self, *args, **kwargs):
+        return FullCopyCache(**vars(super().init_cache(*args, **kwargs)))
 
 
 @pytest.mark.parametrize("kind", ["half_trained", "random"])
