@@ -16,7 +16,7 @@ from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import SearchConfig, beam_search, greedy_search, length_penalty, max_output_lengths
 from aiayn.speed.decoder_cache import DecoderCache
-from aiayn.speed.incremental import InferenceModel
+from aiayn.speed.incremental import InferenceModel, RowCounting
 from aiayn.speed.search_steps import stable_slots, surviving_order, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
@@ -77,16 +77,6 @@ class NoEosTransformer(InferenceModel):
         logits = super().decode_step(tokens, position, cache)
         logits[:, EOS_ID] = logits.min(dim=-1).values - 50.0
         return logits
-
-
-class CountingTransformer(InferenceModel):
-    """Counts decoder steps, to see whether early termination saved any."""
-
-    steps = 0
-
-    def decode_step(self, tokens, position, cache):
-        self.steps += 1
-        return super().decode_step(tokens, position, cache)
 
 
 class BigramCache:
@@ -253,18 +243,6 @@ def test_cached_batched_search_equals_full_recomputation(early_stopping, stop_wh
         assert [h.score for h in hypotheses] == pytest.approx([score for _, score in expected], abs=1e-4)
 
 
-class RowCountingTransformer(InferenceModel):
-    """Counts decoder steps and the rows (sentences x beams) they decode."""
-
-    steps = 0
-    rows = 0
-
-    def decode_step(self, tokens, position, cache):
-        self.steps += 1
-        self.rows += tokens.shape[0]
-        return super().decode_step(tokens, position, cache)
-
-
 @pytest.mark.parametrize("kind, alpha, n_best, early_stopping", [
     ("half_trained", 0.6, 1, True), ("half_trained", 2.0, 1, True), ("half_trained", 2.0, 1, False),
     ("half_trained", 1.0, 2, True), ("half_trained", 2.0, 3, False), ("random", 0.6, 1, True),
@@ -295,7 +273,7 @@ def test_stopping_when_the_best_candidate_ends_never_decodes_more_than_the_defau
     model = half_trained if kind == "half_trained" else tiny_model(seed=31)
     counted = {}
     for rule in ("default", "best"):
-        counting = with_weights(RowCountingTransformer, model)
+        counting = with_weights(RowCounting, model)
         for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10]), (22, [11, 5, 5, 3, 9])):
             steps_before = counting.steps
             beam_search(counting, sources(lengths, seed=seed),
@@ -323,7 +301,7 @@ def test_at_alpha_zero_stopping_when_the_best_candidate_ends_changes_nothing(hal
     src = sources([7, 3, 5, 9, 12, 4, 6, 8], seed=2)
     results, steps = {}, {}
     for rule in (False, True):
-        counting = with_weights(RowCountingTransformer, half_trained)
+        counting = with_weights(RowCounting, half_trained)
         results[rule] = [[(h.tokens, h.score) for h in sentence] for sentence in beam_search(
             counting, src, SearchConfig(length_penalty=0.0, max_len_b=8, stop_when_best_finished=rule))]
         steps[rule] = (counting.steps, counting.rows)
@@ -448,7 +426,7 @@ def test_early_termination_returns_what_searching_to_the_end_returns(alpha, n_be
     src = sources([5, 8, 3, 11, 6, 9, 4], seed=15)
     outputs, steps = {}, {}
     for early in (True, False):
-        model = with_weights(CountingTransformer, half_trained)
+        model = with_weights(RowCounting, half_trained)
         config = SearchConfig(beam_size=4, length_penalty=alpha, max_len_b=15, n_best=n_best, early_stopping=early)
         outputs[early] = beam_search(model, src, config)
         steps[early] = model.steps

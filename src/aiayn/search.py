@@ -41,7 +41,7 @@ class SearchConfig:
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
     stop_when_beam_finished: bool = False  # also stop once beam_size hypotheses have finished (fairseq's rule)
     # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
-    # rule at length penalty 0; ``beam_search``)
+    # early exit; ``search_ends``)
     stop_when_best_finished: bool = False
 
     def __post_init__(self) -> None:
@@ -110,41 +110,6 @@ def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int, pad_id: in
     """
     source_lengths = src.ne(pad_id).sum(dim=1)
     return torch.floor(source_lengths.double() * max_len_a + max_len_b).long()
-
-
-def _position_limit(model: SearchModel) -> int | None:
-    """A learned positional table has a last row; sinusoids extend to any position (Section 3.5)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "positional", None) == "learned":
-        return int(config.max_positions) - 1
-    return None
-
-
-def _output_lengths(model: SearchModel, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
-    lengths = max_output_lengths(src, max_len_a, max_len_b)
-    limit = _position_limit(model)
-    # The forced EOS is fed at position max_len, which must exist in a learned table.
-    return lengths.clamp(max=limit) if limit is not None else lengths
-
-
-def _step_log_probs(logits: Tensor, force_eos: Tensor, reads_free: bool = True) -> Tensor:
-    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked.
-
-    With reads_free (the CPU) only the rows at their maximum length are touched, found by reading
-    force_eos; otherwise one masked fill over all rows does the same without reading it.
-    """
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    log_probs[:, PAD_ID] = -math.inf
-    log_probs[:, BOS_ID] = -math.inf
-    if not reads_free:
-        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
-        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
-    forced = force_eos.nonzero().squeeze(1)
-    if forced.numel():  # only rows at their maximum length: most steps touch no row here
-        eos = log_probs[forced, EOS_ID]
-        log_probs[forced] = -math.inf
-        log_probs[forced, EOS_ID] = eos
-    return log_probs
 
 
 @torch.no_grad()
@@ -356,6 +321,41 @@ class _Beams:
         self.live_tokens = self.live_tokens[keep_rows]
         self.live_tokens[:, step] = new_tokens.reshape(-1)
         self.last_tokens = self.live_tokens[:, step]
+
+
+def _step_log_probs(logits: Tensor, force_eos: Tensor, reads_free: bool = True) -> Tensor:
+    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked.
+
+    With reads_free (the CPU) only the rows at their maximum length are touched, found by reading
+    force_eos; otherwise one masked fill over all rows does the same without reading it.
+    """
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    log_probs[:, PAD_ID] = -math.inf
+    log_probs[:, BOS_ID] = -math.inf
+    if not reads_free:
+        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
+        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
+    forced = force_eos.nonzero().squeeze(1)
+    if forced.numel():  # only rows at their maximum length: most steps touch no row here
+        eos = log_probs[forced, EOS_ID]
+        log_probs[forced] = -math.inf
+        log_probs[forced, EOS_ID] = eos
+    return log_probs
+
+
+def _output_lengths(model: SearchModel, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+    lengths = max_output_lengths(src, max_len_a, max_len_b)
+    limit = _position_limit(model)
+    # The forced EOS is fed at position max_len, which must exist in a learned table.
+    return lengths.clamp(max=limit) if limit is not None else lengths
+
+
+def _position_limit(model: SearchModel) -> int | None:
+    """A learned positional table has a last row; sinusoids extend to any position (Section 3.5)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "positional", None) == "learned":
+        return int(config.max_positions) - 1
+    return None
 
 
 def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[Hypothesis]]:
