@@ -451,12 +451,12 @@ def test_early_termination_keeps_searching_while_a_longer_hypothesis_can_still_w
 def test_finished_sentences_leave_the_batch():
     rows = []
 
-    class RowCounting(NoEosTransformer):
+    class RowsPerStep(NoEosTransformer):
         def decode_step(self, tokens, position, cache):
             rows.append(tokens.shape[0])
             return super().decode_step(tokens, position, cache)
 
-    model = tiny_model(seed=17, cls=RowCounting)
+    model = tiny_model(seed=17, cls=RowsPerStep)
     beam_search(model, sources([3, 3, 3, 30], seed=18), SearchConfig(beam_size=2, max_len_b=0, max_len_a=1.0))
     assert rows[0] == 4  # the first step: one row per sentence (all beams are the same empty hypothesis)
     assert rows[1] == 8  # then 4 sentences x 2 beams
