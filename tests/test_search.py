@@ -14,17 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aiayn import search
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
-from aiayn.search import (
-    SearchConfig,
-    beam_search,
-    greedy_search,
-    length_penalty,
-    max_output_lengths,
-    stable_slots,
-    surviving_order,
-    top_k,
-)
-from aiayn.speed.incremental import InferenceModel
+from aiayn.search import SearchConfig, beam_search, greedy_search, length_penalty, max_output_lengths
+from aiayn.speed.decoder_cache import DecoderCache
+from aiayn.speed.incremental import InferenceModel, RowCounting
+from aiayn.speed.search_steps import stable_slots, surviving_order, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
@@ -86,19 +79,18 @@ class NoEosTransformer(InferenceModel):
         return logits
 
 
-class CountingTransformer(InferenceModel):
-    """Counts decoder steps, to see whether early termination saved any."""
-
-    steps = 0
-
-    def decode_step(self, tokens, position, cache):
-        self.steps += 1
-        return super().decode_step(tokens, position, cache)
-
-
 class BigramCache:
+    filled = 0
+
     def __init__(self, src_pad):
         self.src_pad = src_pad
+
+    def reorder(self, index, sources=None, starts=None, copied=None):
+        self.src_pad = self.src_pad.index_select(0, index)
+        return self
+
+    def copy_starts(self, index, sources=None):
+        return torch.zeros_like(index)
 
 
 class BigramModel(nn.Module):
@@ -122,12 +114,6 @@ class BigramModel(nn.Module):
         assert tokens.shape[0] == cache.src_pad.shape[0]
         return self.log_table[tokens]
 
-    def reorder_cache(self, cache, index, sources=None, copied=None):
-        cache.src_pad = cache.src_pad.index_select(0, index)
-        return cache
-
-    def copy_lengths(self, cache, index, sources=None):
-        return torch.zeros_like(index)
 
 
 A, B, C = 5, 6, 7
@@ -217,12 +203,17 @@ def test_surviving_order_keeps_places_and_fills_holes_from_the_end():
     assert surviving_order(torch.tensor([True, True, False, False])).tolist() == [2, 3, 0, 1]
 
 
-class FullCopyTransformer(InferenceModel):
-    """Copies the whole written history of every row that moves, as reorder_cache did before it compared
+class FullCopyCache(DecoderCache):
+    """Copies the whole written history of every row that moves, as the reorder did before it compared
     the tokens fed."""
 
-    def copy_starts(self, cache, index, sources=None):
-        return torch.where(index.eq(torch.arange(index.shape[0])), cache.filled, 0)
+    def copy_starts(self, index, sources=None):
+        return torch.where(index.eq(torch.arange(index.shape[0])), self.filled, 0)
+
+
+class FullCopyTransformer(InferenceModel):
+    def init_cache(self, *args, **kwargs):
+        return FullCopyCache(**vars(super().init_cache(*args, **kwargs)))
 
 
 @pytest.mark.parametrize("kind", ["half_trained", "random"])
@@ -250,18 +241,6 @@ def test_cached_batched_search_equals_full_recomputation(early_stopping, stop_wh
         expected = reference_beam_search(model, [t for t in row if t != PAD_ID], config)[: config.n_best]
         assert [h.tokens for h in hypotheses] == [tokens for tokens, _ in expected]
         assert [h.score for h in hypotheses] == pytest.approx([score for _, score in expected], abs=1e-4)
-
-
-class RowCountingTransformer(InferenceModel):
-    """Counts decoder steps and the rows (sentences x beams) they decode."""
-
-    steps = 0
-    rows = 0
-
-    def decode_step(self, tokens, position, cache):
-        self.steps += 1
-        self.rows += tokens.shape[0]
-        return super().decode_step(tokens, position, cache)
 
 
 @pytest.mark.parametrize("kind, alpha, n_best, early_stopping", [
@@ -294,7 +273,7 @@ def test_stopping_when_the_best_candidate_ends_never_decodes_more_than_the_defau
     model = half_trained if kind == "half_trained" else tiny_model(seed=31)
     counted = {}
     for rule in ("default", "best"):
-        counting = with_weights(RowCountingTransformer, model)
+        counting = with_weights(RowCounting, model)
         for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10]), (22, [11, 5, 5, 3, 9])):
             steps_before = counting.steps
             beam_search(counting, sources(lengths, seed=seed),
@@ -322,7 +301,7 @@ def test_at_alpha_zero_stopping_when_the_best_candidate_ends_changes_nothing(hal
     src = sources([7, 3, 5, 9, 12, 4, 6, 8], seed=2)
     results, steps = {}, {}
     for rule in (False, True):
-        counting = with_weights(RowCountingTransformer, half_trained)
+        counting = with_weights(RowCounting, half_trained)
         results[rule] = [[(h.tokens, h.score) for h in sentence] for sentence in beam_search(
             counting, src, SearchConfig(length_penalty=0.0, max_len_b=8, stop_when_best_finished=rule))]
         steps[rule] = (counting.steps, counting.rows)
@@ -447,7 +426,7 @@ def test_early_termination_returns_what_searching_to_the_end_returns(alpha, n_be
     src = sources([5, 8, 3, 11, 6, 9, 4], seed=15)
     outputs, steps = {}, {}
     for early in (True, False):
-        model = with_weights(CountingTransformer, half_trained)
+        model = with_weights(RowCounting, half_trained)
         config = SearchConfig(beam_size=4, length_penalty=alpha, max_len_b=15, n_best=n_best, early_stopping=early)
         outputs[early] = beam_search(model, src, config)
         steps[early] = model.steps
@@ -472,12 +451,12 @@ def test_early_termination_keeps_searching_while_a_longer_hypothesis_can_still_w
 def test_finished_sentences_leave_the_batch():
     rows = []
 
-    class RowCounting(NoEosTransformer):
+    class RowsPerStep(NoEosTransformer):
         def decode_step(self, tokens, position, cache):
             rows.append(tokens.shape[0])
             return super().decode_step(tokens, position, cache)
 
-    model = tiny_model(seed=17, cls=RowCounting)
+    model = tiny_model(seed=17, cls=RowsPerStep)
     beam_search(model, sources([3, 3, 3, 30], seed=18), SearchConfig(beam_size=2, max_len_b=0, max_len_a=1.0))
     assert rows[0] == 4  # the first step: one row per sentence (all beams are the same empty hypothesis)
     assert rows[1] == 8  # then 4 sentences x 2 beams

@@ -25,7 +25,8 @@ from aiayn.checkpoint import load_model
 from aiayn.device import choose_device
 from aiayn.errors import UserError, cli
 from aiayn.search import Hypothesis, SearchConfig, SearchModel, beam_search
-from aiayn.speed.incremental import InferenceModel, ScratchBuffers
+from aiayn.speed.decoder_cache import ScratchBuffers
+from aiayn.speed.incremental import InferenceModel
 from aiayn.tokens import EOS_ID, PAD_ID
 
 # decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's

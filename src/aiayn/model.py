@@ -250,7 +250,11 @@ class PositionalEncoding(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """Section 3.1: self-attention then feed-forward, each as LayerNorm(x + Dropout(Sublayer(x)))."""
+    """Section 3.1: self-attention then feed-forward, each as LayerNorm(x + Dropout(Sublayer(x))).
+
+    Beam search runs this forward over stand-ins for these parts (``aiayn.speed.incremental``, which
+    declares them in ENCODER_LAYER_PARTS; tests/speed/test_incremental.py fails when they differ).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -267,7 +271,10 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Section 3.1: masked self-attention, encoder-decoder attention, feed-forward; each post-norm."""
+    """Section 3.1: masked self-attention, encoder-decoder attention, feed-forward; each post-norm.
+
+    Its parts are declared for the cached decoder step in ``aiayn.speed.incremental.DECODER_LAYER_PARTS``.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

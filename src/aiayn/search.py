@@ -3,10 +3,14 @@
 The paper decodes with beam size 4, length penalty alpha = 0.6, a maximum output length of input
 length + 50, and terminates early when possible. This module is that search as tensor operations
 over sentences x beams, driven by a model's cached one-token step (``SearchModel``; for a
-Transformer, ``aiayn.speed.incremental.InferenceModel``). The decode stage's files, batches and threads
-are ``aiayn.decode``.
+Transformer, ``aiayn.speed.incremental.InferenceModel``). It reads as OpenNMT-py's ``beam_search.py``
+and fairseq's ``sequence_generator.py`` do: score the candidates, finish those that end, keep the best
+live ones, decide which sentences stop (``search_ends``, every stopping rule in one place), reorder the
+cache. What exists only for speed (fewer copies and host reads, a faster top-k) is
+``aiayn.speed.search_steps``; the decode stage's files, batches and threads are ``aiayn.decode``.
 
-Top-down: the search settings, the length penalty, the greedy reference decoder, the beam search.
+Top-down: the search settings, the model it drives, the length penalty, the beam search, its stopping
+rules, its state, and the greedy reference decoder.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.errors import UserError
+from aiayn.speed.search_steps import next_rows, reads_are_free, stable_slots, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -36,7 +41,7 @@ class SearchConfig:
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
     stop_when_beam_finished: bool = False  # also stop once beam_size hypotheses have finished (fairseq's rule)
     # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
-    # rule at length penalty 0; ``beam_search``)
+    # early exit; ``search_ends``)
     stop_when_best_finished: bool = False
 
     def __post_init__(self) -> None:
@@ -75,9 +80,11 @@ class Hypothesis:
 
 
 class SearchModel(Protocol):
-    """What the search drives: an encoder and a cached one-token decoder step. The cache is the
-    model's own (the search only passes it back); ``aiayn.speed.incremental.InferenceModel`` documents the
-    arguments. A model with a ``config`` whose positional is "learned" caps the output length there."""
+    """What the search drives: an encoder and a cached one-token decoder step
+    (``aiayn.speed.incremental.InferenceModel`` documents the arguments). The cache is the model's own;
+    the search only passes it back and, once a step, asks it to keep the surviving rows
+    (``aiayn.speed.decoder_cache.DecoderCache.reorder``). A model with a ``config`` whose positional
+    is "learned" caps the output length there."""
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -86,12 +93,6 @@ class SearchModel(Protocol):
     ) -> Any: ...
 
     def decode_step(self, tokens: Tensor, position: int, cache: Any) -> Tensor: ...
-
-    def reorder_cache(
-        self, cache: Any, index: Tensor, sources: Tensor | None = None, copied: int | None = None,
-    ) -> Any: ...
-
-    def copy_lengths(self, cache: Any, index: Tensor, sources: Tensor | None = None) -> Tensor: ...
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
@@ -111,170 +112,21 @@ def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int, pad_id: in
     return torch.floor(source_lengths.double() * max_len_a + max_len_b).long()
 
 
-def _position_limit(model: SearchModel) -> int | None:
-    """A learned positional table has a last row; sinusoids extend to any position (Section 3.5)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "positional", None) == "learned":
-        return int(config.max_positions) - 1
-    return None
-
-
-def _output_lengths(model: SearchModel, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
-    lengths = max_output_lengths(src, max_len_a, max_len_b)
-    limit = _position_limit(model)
-    # The forced EOS is fed at position max_len, which must exist in a learned table.
-    return lengths.clamp(max=limit) if limit is not None else lengths
-
-
-def reads_are_free(device: torch.device) -> bool:
-    """Whether the search may read tensor values on the host whenever it likes. On the CPU a read costs
-    nothing; on an accelerator each one waits until the device has run everything queued before it (a
-    synchronisation), so there the search reads one small tensor per step (``beam_search``)."""
-    return device.type == "cpu"
-
-
-def _step_log_probs(logits: Tensor, force_eos: Tensor, reads_free: bool = True) -> Tensor:
-    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked.
-
-    With reads_free (the CPU) only the rows at their maximum length are touched, found by reading
-    force_eos; otherwise one masked fill over all rows does the same without reading it.
-    """
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    log_probs[:, PAD_ID] = -math.inf
-    log_probs[:, BOS_ID] = -math.inf
-    if not reads_free:
-        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
-        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
-    forced = force_eos.nonzero().squeeze(1)
-    if forced.numel():  # only rows at their maximum length: most steps touch no row here
-        eos = log_probs[forced, EOS_ID]
-        log_probs[forced] = -math.inf
-        log_probs[forced, EOS_ID] = eos
-    return log_probs
-
-
-def top_k(scores: Tensor, k: int, block: int = 32) -> tuple[Tensor, Tensor]:
-    """scores (rows, n) -> the k largest of each row and their indices, best first, as scores.topk(k, dim=1).
-
-    On the CPU a row's k largest are picked among the k blocks of `block` consecutive scores with the
-    largest maxima (and the scores past the last whole block): those k maxima are k scores, so the
-    k-th largest score is at least the k-th largest maximum, and a score in any other block is at
-    most that. The values are exactly topk's; among equal scores the indices may differ. It is faster
-    than topk over a beam search step's scores (BENCHMARKS.md). Elsewhere, and for small rows, it is topk.
-    """
-    rows, n = scores.shape
-    blocks = n // block
-    if scores.device.type != "cpu" or blocks < 4 * k or not scores.is_contiguous():
-        return scores.topk(k, dim=1)
-    maxima = scores.as_strided((rows, blocks, block), (n, block, 1)).amax(dim=2)  # (rows, blocks)
-    chosen = maxima.topk(k, dim=1).indices  # (rows, k)
-    positions = (chosen[:, :, None] * block + torch.arange(block, device=scores.device)).view(rows, k * block)
-    if n > blocks * block:
-        tail = torch.arange(blocks * block, n, device=scores.device).expand(rows, -1)
-        positions = torch.cat([positions, tail], dim=1)
-    values, where = scores.gather(1, positions).topk(k, dim=1)
-    return values, positions.gather(1, where)
-
-
-def stable_slots(parents: Tensor) -> Tensor:
-    """(sentences, beam) parent beam of each surviving candidate -> the beam slot each one takes.
-
-    A candidate takes its parent's slot when it is the first (best) child of that parent; the other
-    children take the slots of parents that left no child, in ascending order. The result is a
-    permutation of 0 .. beam - 1 per sentence, and a hypothesis that continues in its own slot needs
-    no copy of its cached keys and values (``InferenceModel.reorder_cache`` skips rows that stay).
-    """
-    beam = parents.shape[1]
-    slots = torch.arange(beam, device=parents.device)
-    same_parent = parents[:, :, None].eq(parents[:, None, :])  # (sentences, child j, child i)
-    earlier = torch.ones(beam, beam, dtype=torch.bool, device=parents.device).tril(-1)  # i < j
-    first = ~(same_parent & earlier).any(dim=2)
-    claimed = parents[:, :, None].eq(slots).any(dim=1)  # (sentences, slot): some child has this parent
-    free_slots = (claimed.long() * beam + slots).argsort(dim=1)  # unclaimed slots first, ascending
-    rank = (~first).long().cumsum(dim=1) - 1  # the k-th later child takes the k-th free slot
-    return torch.where(first, parents, free_slots.gather(1, rank.clamp(min=0)))
-
-
-@torch.no_grad()
-def greedy_search(
-    model: SearchModel, src: Tensor, max_len_a: float = SearchConfig.max_len_a,
-    max_len_b: int = SearchConfig.max_len_b, length_penalty_alpha: float = SearchConfig.length_penalty
-) -> list[Hypothesis]:
-    """The reference decoder: the most probable next token at every step, with the same cache and limits.
-
-    Beam search with beam_size 1 returns exactly this (the tests hold it to that).
-    """
-    batch = src.shape[0]
-    max_lens = _output_lengths(model, src, max_len_a, max_len_b).to(src.device)
-    longest = int(max_lens.max())
-    memory, src_pad = model.encode(src)
-    cache = model.init_cache(memory, src_pad, longest + 1)
-    tokens = torch.full((batch, longest + 1), PAD_ID, dtype=torch.long, device=src.device)
-    log_prob = torch.zeros(batch, dtype=torch.float32, device=src.device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
-    last = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
-    reads_free = reads_are_free(src.device)
-    for step in range(longest + 1):
-        log_probs = _step_log_probs(model.decode_step(last, step, cache), max_lens.eq(step), reads_free)
-        best_log_prob, last = log_probs.max(dim=-1)
-        log_prob += torch.where(finished, 0.0, best_log_prob)
-        tokens[:, step] = torch.where(finished, PAD_ID, last)
-        finished |= last.eq(EOS_ID)
-        if bool(finished.all()):
-            break
-    hypotheses = []
-    for row, row_log_prob in zip(tokens.tolist(), log_prob.tolist()):
-        output = row[: row.index(EOS_ID)]
-        score = row_log_prob / length_penalty(len(output) + 1, length_penalty_alpha)
-        hypotheses.append(Hypothesis(tokens=output, score=score, log_prob=row_log_prob))
-    return hypotheses
-
-
 @torch.no_grad()
 def beam_search(
     model: SearchModel, src: Tensor, config: SearchConfig = SearchConfig(), scratch: Any = None
 ) -> list[list[Hypothesis]]:
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
-    `scratch` goes to the model's init_cache: a thread that searches batch after batch passes the
-    same ``ScratchBuffers`` to each, so that their caches reuse one memory.
-
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
     score divided by the length penalty), and the best beam_size others stay live, so the beam is
-    always full (fairseq's scheme). The live hypotheses are kept in the slots of their parents where
-    they can (``stable_slots``), so only the cached keys and values of beams that branch are copied. A
-    sentence's search ends at the first of:
+    always full (fairseq's scheme). ``search_ends`` decides when a sentence's search ends; a sentence
+    whose search has ended leaves the batch (its cache rows are dropped), so short sentences do not
+    wait for long ones.
 
-    - early termination, the paper's "terminate early when possible" with tensor2tensor's bound:
-      a live hypothesis with log-prob L <= 0 at length l can only finish at a length l' in
-      (l, max_len + 1] with log-prob L' <= L, so its best possible score is L / max(lp(l + 1),
-      lp(max_len + 1)) (for alpha >= 0, the length penalty at the maximum length). Once the
-      n_best-th finished score is at least that bound for the best live hypothesis, no later
-      hypothesis can enter the n_best, so stopping returns what searching on would have returned;
-    - its maximum length floor(max_len_a * source_length + max_len_b), where EOS is forced;
-    - only with ``stop_when_beam_finished`` (fairseq's rule, not tensor2tensor's: off by default):
-      beam_size hypotheses have finished, although a live one might still beat them. It saves steps
-      and shortens outputs (BENCHMARKS.md, "Why outputs are short"); with beam_size 1 it is greedy
-      decoding.
-    - only with ``stop_when_best_finished`` (off by default): the best candidate of one of its steps
-      (the highest log-prob of all its continuations, before the length penalty) has been EOS, and at
-      least n_best hypotheses have finished. This is CTranslate2's early exit (``BeamSearch::search``
-      in its src/decoding.cc, with ``patience`` 1), which CTranslate2 itself takes only at length
-      penalty 0: with a length penalty it ends a sentence once beam_size x patience hypotheses have
-      finished, which is ``stop_when_beam_finished``. With n_best 1 it ends the sentence at the first
-      step whose best candidate is EOS. At alpha 0 and n_best 1 the bound above ends it at that step
-      already (every later hypothesis has a lower log-prob than that candidate), so the rule changes
-      nothing there; at alpha > 0 it can end a sentence before the bound does, and a longer hypothesis
-      that the search did not reach could have scored higher.
-
-    A sentence whose search has ended leaves the batch (its cache rows are dropped), so short
-    sentences do not wait for long ones.
-
-    On an accelerator the host reads the device once per step: one small tensor with the number of
-    sentences that ended and the size of the step's cache copy, which is all it needs to shape the
-    next step. The hypotheses stay on the device until the search ends. On the CPU, where reads are
-    free (``reads_are_free``), a step also reads to skip work that most steps do not need.
+    `scratch` goes to the model's init_cache: a thread that searches batch after batch passes the
+    same ``ScratchBuffers`` to each, so that their caches reuse one memory.
     """
     beam = config.beam_size
     batch = src.shape[0]
@@ -293,47 +145,59 @@ def beam_search(
         force_eos = beams.max_lens.eq(step)[:, None].expand_as(beams.live_log_probs).reshape(-1)
         log_probs = _step_log_probs(model.decode_step(beams.last_tokens, step, cache), force_eos, reads_free)
         candidates = _Candidates.best(log_probs, beams.live_log_probs, beam)
-        if config.stop_when_best_finished:
-            beams.note_best_ended(candidates)
         beams.finish(candidates, step, config.length_penalty, reads_free)
-        keep_rows, new_tokens = beams.continue_live(candidates)
-        done = beams.done(step, config)
-        # The sentences that go on move to the first places (surviving_order). On the CPU a step where
-        # no sentence ended (most) keeps the sentences in place without computing an order.
-        order = None if reads_free and not bool(done.any()) else surviving_order(done)  # (active,)
-        keep_rows = (keep_rows if order is None else keep_rows[order]).reshape(-1)
-        # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
-        cache_rows = keep_rows // beam if step == 0 else keep_rows
-        ended, copied = _read_step(model, cache, cache_rows, done, order, beam)
-        kept = None  # the sentences that go on, when some ended
-        if ended:
+        parent_rows, new_tokens = beams.continue_live(candidates)
+        done = search_ends(beams, candidates, step, config)
+        going_on = next_rows(cache, parent_rows, done, step, reads_free)  # reorders the cache
+        if going_on.ended:
             beams.write_results()
-            if ended == beams.active:
+            if going_on.ended == beams.active:
                 break
-            kept = order[: beams.active - ended]
-            rows_kept = kept.shape[0] * beam
-            cache_rows, keep_rows, new_tokens = cache_rows[:rows_kept], keep_rows[:rows_kept], new_tokens[kept]
-            beams.keep(kept)
-        # The first step regroups the cache (its sources given), later steps keep the grouping.
-        sources = kept if kept is not None or step > 0 else torch.arange(beams.active, device=src.device)
-        cache = model.reorder_cache(cache, cache_rows, sources=sources, copied=copied)
-        beams.extend(keep_rows, new_tokens, step)
+            beams.keep(going_on.kept)
+            new_tokens = new_tokens[going_on.kept]
+        beams.extend(going_on.rows, new_tokens, step)
     return _hypotheses(beams.result_scores, beams.result_log_probs, beams.result_tokens)
 
 
-def _read_step(
-    model: SearchModel, cache: Any, cache_rows: Tensor, done: Tensor, order: Tensor | None, beam: int,
-) -> tuple[int, int | None]:
-    """The step's one read of the device: how many sentences ended, and how many (row, position) blocks
-    of keys and values the cache copy moves for the rows of the sentences that go on, so that the copy
-    reads nothing. Without an order (the CPU, where no sentence ended) nothing is read here: (0, None)."""
-    if order is None:
-        return 0, None
-    ended_count = done.sum()
-    going_on = torch.arange(cache_rows.shape[0], device=done.device) < (done.shape[0] - ended_count) * beam
-    copied = (model.copy_lengths(cache, cache_rows, order) * going_on).sum()
-    ended, copied = torch.stack([ended_count, copied]).tolist()
-    return ended, copied
+def search_ends(beams: _Beams, candidates: _Candidates, step: int, config: SearchConfig) -> Tensor:
+    """(active,) whether each sentence's search ends at this step: every stopping rule, in one place.
+
+    A sentence's search ends at the first of:
+
+    - its maximum length floor(max_len_a * source_length + max_len_b), where EOS was forced (or no
+      live hypothesis is left);
+    - early termination (``early_stopping``, on by default), the paper's "terminate early when
+      possible" with tensor2tensor's bound: a live hypothesis with log-prob L <= 0 at length l can
+      only finish at a length l' in (l, max_len + 1] with log-prob L' <= L, so its best possible score
+      is L / max(lp(l + 1), lp(max_len + 1)) (for alpha >= 0). Once the n_best-th finished score is at
+      least that bound for the best live hypothesis, no later hypothesis can enter the n_best, so
+      stopping returns what searching on would have returned;
+    - only with ``stop_when_beam_finished`` (fairseq's rule, off by default): beam_size hypotheses
+      have finished, although a live one might still beat them. It saves steps and shortens outputs
+      (BENCHMARKS.md); with beam_size 1 it is greedy decoding;
+    - only with ``stop_when_best_finished`` (CTranslate2's early exit, off by default): the best
+      candidate of one of its steps (by log-prob, before the length penalty) has been EOS, and at
+      least n_best hypotheses have finished. At alpha 0 and n_best 1 the bound above already ends the
+      search there; at alpha > 0 it can end sooner, missing a longer hypothesis that would score higher.
+    """
+    if config.stop_when_best_finished:
+        # The mark stays, as CTranslate2's top_beam_finished does: n_best > 1 may need later steps.
+        best = candidates.tokens[:, 0].eq(EOS_ID) & candidates.log_probs[:, 0].isfinite()
+        beams.best_ended = beams.best_ended | best
+    best_live = beams.live_log_probs.max(dim=1).values
+    done = beams.max_lens.le(step) | ~best_live.isfinite()
+    if config.stop_when_beam_finished:
+        done |= beams.finished_scores.isfinite().sum(dim=1).ge(beams.beam)
+    if config.stop_when_best_finished:
+        # finished_scores is sorted best first, -inf where none: its n_best-th is finite once n_best have finished.
+        done |= beams.best_ended & beams.finished_scores[:, config.n_best - 1].isfinite()
+    if config.early_stopping:
+        best_possible_penalty = torch.maximum(
+            length_penalty((beams.max_lens + 1).float(), config.length_penalty),
+            torch.full_like(best_live, float(length_penalty(step + 2.0, config.length_penalty))),
+        )
+        done |= beams.finished_scores[:, config.n_best - 1] >= best_live / best_possible_penalty
+    return done
 
 
 @dataclass
@@ -425,12 +289,6 @@ class _Beams:
             1, merged_index[:, :, None].expand(-1, -1, width)
         )
 
-    def note_best_ended(self, candidates: _Candidates) -> None:
-        """Marks the sentences whose best candidate of this step (the first, by log-prob) is EOS; the mark
-        stays, as CTranslate2's top_beam_finished does, for n_best > 1 may need later steps."""
-        best = candidates.tokens[:, 0].eq(EOS_ID) & candidates.log_probs[:, 0].isfinite()
-        self.best_ended = self.best_ended | best
-
     def continue_live(self, candidates: _Candidates) -> tuple[Tensor, Tensor]:
         """The best beam_size candidates that do not end stay live (there are at least beam_size of them,
         as each live hypothesis has one EOS among its candidates), in the slots of their parents where
@@ -444,23 +302,6 @@ class _Beams:
         live = live.gather(1, slots.argsort(dim=1))  # slot order, no longer best first
         self.live_log_probs = candidates.log_probs.gather(1, live)
         return candidates.rows.gather(1, live), candidates.tokens.gather(1, live)
-
-    def done(self, step: int, config: SearchConfig) -> Tensor:
-        """(active,) whether a sentence's search ends at this step (``beam_search`` says when)."""
-        best_live = self.live_log_probs.max(dim=1).values
-        done = self.max_lens.le(step) | ~best_live.isfinite()
-        if config.stop_when_beam_finished:
-            done |= self.finished_scores.isfinite().sum(dim=1).ge(self.beam)
-        if config.stop_when_best_finished:
-            # finished_scores is sorted best first, -inf where none: its n_best-th is finite once n_best have finished.
-            done |= self.best_ended & self.finished_scores[:, config.n_best - 1].isfinite()
-        if config.early_stopping:
-            best_possible_penalty = torch.maximum(
-                length_penalty((self.max_lens + 1).float(), config.length_penalty),
-                torch.full_like(best_live, float(length_penalty(step + 2.0, config.length_penalty))),
-            )
-            done |= self.finished_scores[:, config.n_best - 1] >= best_live / best_possible_penalty
-        return done
 
     def write_results(self) -> None:
         """Every active sentence's n_best is written; a sentence's last write is the one of the step it ended."""
@@ -482,21 +323,39 @@ class _Beams:
         self.last_tokens = self.live_tokens[:, step]
 
 
-def surviving_order(done: Tensor) -> Tensor:
-    """(active,) True where a sentence's search has ended -> a permutation of the sentences that puts
-    the ones that go on first and moves few of them: with s going on, each that ended in the first s
-    places swaps with one that goes on from past them (the k-th such place with the k-th such sentence).
+def _step_log_probs(logits: Tensor, force_eos: Tensor, reads_free: bool = True) -> Tensor:
+    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked.
 
-    Its shape does not depend on the values of `done`, so an accelerator computes it without a
-    synchronisation; the first s entries are the sentences that go on.
+    With reads_free (the CPU) only the rows at their maximum length are touched, found by reading
+    force_eos; otherwise one masked fill over all rows does the same without reading it.
     """
-    places = torch.arange(done.shape[0], device=done.device)
-    first = places < done.shape[0] - done.sum()  # the places the sentences that go on will take
-    holes, movers = done & first, ~done & ~first  # as many of each
-    # A stable argsort of "not a hole" lists the holes first, in order (the same for movers).
-    hole_places, mover_places = (~holes).int().argsort(stable=True), (~movers).int().argsort(stable=True)
-    hole_rank, mover_rank = (holes.cumsum(0) - 1).clamp(min=0), (movers.cumsum(0) - 1).clamp(min=0)
-    return torch.where(holes, mover_places[hole_rank], torch.where(movers, hole_places[mover_rank], places))
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    log_probs[:, PAD_ID] = -math.inf
+    log_probs[:, BOS_ID] = -math.inf
+    if not reads_free:
+        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
+        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
+    forced = force_eos.nonzero().squeeze(1)
+    if forced.numel():  # only rows at their maximum length: most steps touch no row here
+        eos = log_probs[forced, EOS_ID]
+        log_probs[forced] = -math.inf
+        log_probs[forced, EOS_ID] = eos
+    return log_probs
+
+
+def _output_lengths(model: SearchModel, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+    lengths = max_output_lengths(src, max_len_a, max_len_b)
+    limit = _position_limit(model)
+    # The forced EOS is fed at position max_len, which must exist in a learned table.
+    return lengths.clamp(max=limit) if limit is not None else lengths
+
+
+def _position_limit(model: SearchModel) -> int | None:
+    """A learned positional table has a last row; sinusoids extend to any position (Section 3.5)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "positional", None) == "learned":
+        return int(config.max_positions) - 1
+    return None
 
 
 def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[Hypothesis]]:
@@ -509,3 +368,37 @@ def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[
         for row_scores, row_log_probs, row_tokens in zip(scores.tolist(), log_probs.tolist(), tokens.tolist())
     ]
 
+
+@torch.no_grad()
+def greedy_search(
+    model: SearchModel, src: Tensor, max_len_a: float = SearchConfig.max_len_a,
+    max_len_b: int = SearchConfig.max_len_b, length_penalty_alpha: float = SearchConfig.length_penalty
+) -> list[Hypothesis]:
+    """The reference decoder: the most probable next token at every step, with the same cache and limits.
+
+    Beam search with beam_size 1 returns exactly this (the tests hold it to that).
+    """
+    batch = src.shape[0]
+    max_lens = _output_lengths(model, src, max_len_a, max_len_b).to(src.device)
+    longest = int(max_lens.max())
+    memory, src_pad = model.encode(src)
+    cache = model.init_cache(memory, src_pad, longest + 1)
+    tokens = torch.full((batch, longest + 1), PAD_ID, dtype=torch.long, device=src.device)
+    log_prob = torch.zeros(batch, dtype=torch.float32, device=src.device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
+    last = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
+    reads_free = reads_are_free(src.device)
+    for step in range(longest + 1):
+        log_probs = _step_log_probs(model.decode_step(last, step, cache), max_lens.eq(step), reads_free)
+        best_log_prob, last = log_probs.max(dim=-1)
+        log_prob += torch.where(finished, 0.0, best_log_prob)
+        tokens[:, step] = torch.where(finished, PAD_ID, last)
+        finished |= last.eq(EOS_ID)
+        if bool(finished.all()):
+            break
+    hypotheses = []
+    for row, row_log_prob in zip(tokens.tolist(), log_prob.tolist()):
+        output = row[: row.index(EOS_ID)]
+        score = row_log_prob / length_penalty(len(output) + 1, length_penalty_alpha)
+        hypotheses.append(Hypothesis(tokens=output, score=score, log_prob=row_log_prob))
+    return hypotheses

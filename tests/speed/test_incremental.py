@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiayn.model import Transformer
-from aiayn.speed.incremental import InferenceModel, ScratchBuffers
+from aiayn.model import DecoderLayer, EncoderLayer, Transformer
+from aiayn.speed.decoder_cache import ScratchBuffers
+from aiayn.speed.incremental import (DECODER_LAYER_PARTS, ENCODER_LAYER_PARTS, InferenceModel,
+                                    layer_parts)
 from aiayn.speed.packed import _onednn_linear_available
 from test_model import PAD, VOCAB, tiny_config, tiny_model, tokens  # the same tiny float64 models
 
@@ -30,7 +32,7 @@ def test_decode_step_reproduces_full_decode_logits_at_every_position(dtype, tole
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=tolerance)
 
 
-def test_decode_step_after_reorder_cache_matches_the_reordered_batch():
+def test_decode_step_after_a_cache_reorder_matches_the_reordered_batch():
     model = tiny_model()
     inference = InferenceModel(model)
     src = tokens(3, 7, seed=1)
@@ -41,20 +43,20 @@ def test_decode_step_after_reorder_cache_matches_the_reordered_batch():
         cache = inference.init_cache(*inference.encode(src), max_len=6)
         for position in range(3):
             inference.decode_step(tgt[:, position], position, cache)
-        cache = inference.reorder_cache(cache, index)
+        cache = cache.reorder(index)
         reordered = model(src[index], tgt[index])
         for position in range(3, 6):
             step = inference.decode_step(tgt[index, position], position, cache)
             torch.testing.assert_close(step, reordered[:, position], rtol=0, atol=1e-10)
 
 
-def test_reorder_cache_can_grow_the_batch_for_beams():
+def test_cache_reorder_can_grow_the_batch_for_beams():
     model = tiny_model()
     inference = InferenceModel(model)
     src, tgt = tokens(2, 5, seed=1), tokens(2, 4, seed=2)
     beams = torch.tensor([0, 0, 1, 1])
     with torch.no_grad():
-        cache = inference.reorder_cache(inference.init_cache(*inference.encode(src), max_len=4), beams)
+        cache = inference.init_cache(*inference.encode(src), max_len=4).reorder(beams)
         full = model(src[beams], tgt[beams])
         for position in range(4):
             step = inference.decode_step(tgt[beams, position], position, cache)
@@ -79,14 +81,14 @@ def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batc
             inference.decode_step(tgt[:, position], position, cache)
         # Beams move within their sentence: row 0 takes row 1's history, rows 2 and 3 swap.
         index = torch.tensor([1, 1, 3, 2])
-        cache = inference.reorder_cache(cache, index)
+        cache = cache.reorder(index)
         full = model(src[rows], tgt[index])
         for position in range(3, 5):
             step = inference.decode_step(tgt[index, position], position, cache)
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
         # The first sentence leaves: its memory goes with it, the second keeps its two beams.
         buffer = cache.key_buffer.data_ptr()
-        cache = inference.reorder_cache(cache, torch.tensor([2, 3]), sources=torch.tensor([1]))
+        cache = cache.reorder(torch.tensor([2, 3]), sources=torch.tensor([1]))
         assert cache.memory_keys.shape[1] == 1 and cache.rows == 2
         assert cache.key_buffer.data_ptr() == buffer  # shrunk in place
         full = model(src[[1, 1]], tgt[index][[2, 3]])
@@ -94,14 +96,14 @@ def test_grouped_cache_keeps_one_memory_per_source_and_matches_the_repeated_batc
         torch.testing.assert_close(step, full[:, 5], rtol=0, atol=1e-10)
 
 
-def test_reorder_cache_regroups_one_row_per_source_into_beams():
+def test_cache_reorder_regroups_one_row_per_source_into_beams():
     model, inference, src, tgt = two_sources_in_beams_of_two()
     tgt[1, 0], tgt[3, 0] = tgt[0, 0], tgt[2, 0]  # beams of a source share their first token
     with torch.no_grad():
         cache = inference.init_cache(*inference.encode(src), max_len=6, capacity=4)  # one row per source
         buffer = cache.key_buffer.data_ptr()
         inference.decode_step(tgt[[0, 2], 0], 0, cache)
-        cache = inference.reorder_cache(cache, torch.tensor([0, 0, 1, 1]), sources=torch.tensor([0, 1]))
+        cache = cache.reorder(torch.tensor([0, 0, 1, 1]), sources=torch.tensor([0, 1]))
         assert cache.group == 2 and cache.rows == 4 and cache.memory_keys.shape[1] == 2
         assert cache.key_buffer.data_ptr() == buffer  # grown within its capacity, in place
         full = model(src[[0, 0, 1, 1]], tgt)
@@ -110,10 +112,10 @@ def test_reorder_cache_regroups_one_row_per_source_into_beams():
             torch.testing.assert_close(step, full[:, position], rtol=0, atol=1e-10)
         with pytest.raises(ValueError, match="3 rows do not divide among 2 sources"):
             fresh = inference.init_cache(*inference.encode(src), max_len=6)
-            inference.reorder_cache(fresh, torch.tensor([0, 0, 1]), sources=torch.tensor([0, 1]))
+            fresh.reorder(torch.tensor([0, 0, 1]), sources=torch.tensor([0, 1]))
 
 
-def test_reorder_cache_copies_a_moved_row_from_where_its_fed_tokens_differ_up_to_the_positions_fed():
+def test_cache_reorder_copies_a_moved_row_from_where_its_fed_tokens_differ_up_to_the_positions_fed():
     model = tiny_model()
     inference = InferenceModel(model)
     index = torch.tensor([0, 0, 1])
@@ -126,9 +128,9 @@ def test_reorder_cache_copies_a_moved_row_from_where_its_fed_tokens_differ_up_to
         cache.filled = filled = 4
         before = (cache.self_keys.clone(), cache.self_values.clone())
         starts = [4, 2, 1]  # row 0 stays; row 1 takes row 0's history, row 2 row 1's
-        assert inference.copy_starts(cache, index).tolist() == starts
-        assert inference.copy_lengths(cache, index).tolist() == [0, 2, 3]
-        inference.reorder_cache(cache, index)
+        assert cache.copy_starts(index).tolist() == starts
+        assert (cache.filled - cache.copy_starts(index)).tolist() == [0, 2, 3]  # the copy lengths
+        cache.reorder(index)
     assert cache.fed[:4, :3].T.tolist() == [[1, 5, 6, 7], [1, 5, 6, 7], [1, 5, 8, 9]]
     for after, old in zip((cache.self_keys, cache.self_values), before):
         for row, (origin, start) in enumerate(zip(index.tolist(), starts)):
@@ -145,10 +147,10 @@ def test_copy_starts_copy_all_of_a_row_that_takes_another_source_s_row():
         fed = torch.tensor([[1, 5, 6], [1, 5, 8], [1, 5, 6], [1, 4, 4]])  # sources 0 and 1, two rows each
         cache.fed[:3, :4], cache.filled = fed.T, 3
         # Rows move within their source: row 0 takes row 1 (shares BOS and 5), rows 2 and 3 swap.
-        assert inference.copy_starts(cache, torch.tensor([1, 1, 3, 2])).tolist() == [2, 3, 1, 1]
+        assert cache.copy_starts(torch.tensor([1, 1, 3, 2])).tolist() == [2, 3, 1, 1]
         # The first source ends and the second moves into its rows: nothing of theirs is shared,
         # although row 2 was fed the same tokens as row 0.
-        assert inference.copy_starts(cache, torch.tensor([2, 3]), sources=torch.tensor([1])).tolist() == [0, 0]
+        assert cache.copy_starts(torch.tensor([2, 3]), sources=torch.tensor([1])).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("positional", ["learned", "none"])
@@ -222,3 +224,33 @@ def test_bf16_autocast_on_cpu_gives_finite_incremental_logits():
         step = inference.decode_step(tgt[:, 0], 0, cache)
     assert cache.key_buffer.dtype == torch.bfloat16
     assert torch.isfinite(step).all()
+
+
+# The contract: the cached path carries every part of the model's layers.
+
+
+def test_the_layers_have_exactly_the_parts_the_cached_path_declares_it_carries():
+    """Fails when EncoderLayer or DecoderLayer gains (or loses) a submodule or parameter: the cached
+    path (InferenceEncoderLayer, CachedDecoderLayer, StepLinears) must then learn it, and its
+    declaration in aiayn.speed.incremental change with it."""
+    config = tiny_config()
+    assert layer_parts(EncoderLayer(config)) == ENCODER_LAYER_PARTS
+    assert layer_parts(DecoderLayer(config)) == DECODER_LAYER_PARTS
+
+
+@pytest.mark.parametrize("layers", ["encoder", "decoder"])
+@pytest.mark.parametrize("part", ["submodule", "parameter", "parameter of a sub-layer"])
+def test_a_layer_part_the_cached_path_does_not_carry_is_caught(layers, part):
+    """The check above, and InferenceModel, see a part added to a layer that the cached path would drop."""
+    model = tiny_model()
+    layer = getattr(model, layers)[0]
+    if part == "submodule":
+        layer.gate = torch.nn.Linear(layer.self_attention_norm.normalized_shape[0], 1)
+    elif part == "parameter":
+        layer.scale = torch.nn.Parameter(torch.ones(1))
+    else:
+        layer.feed_forward.bias = torch.nn.Parameter(torch.zeros(1))
+    declared = ENCODER_LAYER_PARTS if layers == "encoder" else DECODER_LAYER_PARTS
+    assert layer_parts(layer) != declared
+    with pytest.raises(TypeError, match="teach the cached path"):
+        InferenceModel(model)

@@ -1,0 +1,3 @@
+from aiayn.demo.corpus import main
+
+raise SystemExit(main())
