@@ -49,7 +49,7 @@ from aiayn.bpe import load_processor  # noqa: E402
 from aiayn.checkpoint import load_model  # noqa: E402
 from aiayn.decode import hypothesis_text, translate  # noqa: E402
 from aiayn.export import export_ctranslate2  # noqa: E402
-from aiayn.fileio import read_lines  # noqa: E402
+from aiayn.reading import read_lines
 from aiayn.speed.incremental import InferenceModel, RowCounting  # noqa: E402
 from aiayn.search import SearchConfig  # noqa: E402
 from aiayn.tokens import BOS_ID, PAD_ID  # noqa: E402

@@ -11,7 +11,7 @@ from conftest import write_text_corpus
 from aiayn.binarize import binarize_split, load_split
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError
-from aiayn.fileio import fingerprint_files
+from aiayn.reading import fingerprint_files
 
 
 def test_binarized_data_decodes_back_to_exactly_the_bpe_pieces(prepared):

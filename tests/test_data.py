@@ -244,7 +244,7 @@ def test_pairs_over_the_length_ratio_are_dropped_and_counted_only_when_asked(tmp
 @pytest.mark.parametrize("content", [b"", b"\n", b"\n\n", b"\xef\xbb\xbf", b"\xef\xbb\xbf\n", b"\xef\xbb\xbfa\nb",
                                      b"a\r\nb\r\n", b"\r\n", b"a\n\nb\n\n", b"x\xe2\x80\xa8y\n\xc2\x85\n", b"\nlast"])
 def test_streamed_lines_and_counts_equal_read_lines(tmp_path, content):
-    from aiayn.fileio import count_lines, iter_lines, read_lines
+    from aiayn.reading import count_lines, iter_lines, read_lines
 
     (tmp_path / "f").write_bytes(content)
     assert list(iter_lines(tmp_path / "f")) == read_lines(tmp_path / "f")

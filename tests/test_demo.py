@@ -13,7 +13,7 @@ from aiayn.demo import (
     Subordination, generate_corpus, pronoun_for, render,
 )
 from aiayn.errors import UserError
-from aiayn.fileio import read_lines
+from aiayn.reading import read_lines
 
 SIZES = {"train": 6000, "dev": 500, "test": 500}
 

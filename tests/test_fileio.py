@@ -11,10 +11,8 @@ import sys
 import pytest
 
 from aiayn.errors import UserError
-from aiayn.fileio import (
-    atomic_path, count_lines, iter_lines, prepare_output, read_lines, refuse_overwriting_inputs,
-    remove_stale_temporaries_in, write_text_atomic,
-)
+from aiayn.reading import count_lines, iter_lines, read_lines
+from aiayn.writing import (atomic_path, prepare_output, refuse_overwriting_inputs, remove_stale_temporaries_in, write_text_atomic)
 
 HOST = socket.gethostname()
 
@@ -101,9 +99,9 @@ def test_every_reader_names_what_the_file_is_instead_of_text(tmp_path, reader, c
 
 
 def test_a_character_cut_by_a_block_boundary_is_not_an_error(tmp_path, monkeypatch):
-    import aiayn.fileio as fileio
+    import aiayn.reading as reading
 
-    monkeypatch.setattr(fileio, "BLOCK", 7)  # "ü" and "ß" fall across boundaries
+    monkeypatch.setattr(reading, "BLOCK", 7)  # "ü" and "ß" fall across boundaries
     (tmp_path / "f.de").write_text("grüße aus köln\nüber straßen\n", encoding="utf-8")
     assert count_lines(tmp_path / "f.de") == 2
     (tmp_path / "g.de").write_bytes("grüße\n".encode() + b"\xc3")  # but one cut by the end of the file is

@@ -23,7 +23,7 @@ import torch
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
 from aiayn.errors import UserError, cli
-from aiayn.fileio import prepare_output, refuse_overwriting_inputs, write_json_atomic
+from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import AVERAGE_SUMMARY
 
 def _steps_of(checkpoint: dict) -> list[int]:

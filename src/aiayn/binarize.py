@@ -26,8 +26,8 @@ import numpy as np
 
 from aiayn.bpe import load_processor, vocab_fingerprint
 from aiayn.errors import UserError, cli
-from aiayn.fileio import (atomic_path, count_lines, fingerprint_files, iter_lines, refuse_overwriting_inputs,
-                          refuse_replacing_a_folder, same_file)
+from aiayn.reading import count_lines, fingerprint_files, iter_lines, same_file
+from aiayn.writing import atomic_path, refuse_overwriting_inputs, refuse_replacing_a_folder
 from aiayn.layout import SPLIT_ARRAYS, SPLIT_META
 
 CHUNK_PAIRS = 20_000

@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import (
-    GZIP_MAGIC, atomic_path, count_lines, decompressed_name, fingerprint_files, input_exists,
-    iter_lines, open_input, prepare_output, refuse_overwriting_inputs, same_file, write_json_atomic,
-)
+from aiayn.reading import (GZIP_MAGIC, count_lines, decompressed_name, fingerprint_files, input_exists, iter_lines, open_input, same_file)
+from aiayn.writing import atomic_path, prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import BPE_INFO, SPM_MODEL, SPM_PREFIX, SPM_VOCAB
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
@@ -130,7 +128,7 @@ def check_training_text(train_files: list[str | Path]) -> int:
             if handle.read(2) == GZIP_MAGIC:  # SentencePiece reads plain files only
                 raise UserError(f"{path}: gzip-compressed; the bpe stage reads plain text: "
                                 f"gunzip -c {path} > {decompressed_name(Path(path), '.gz')}")
-        count = count_lines(path)  # and every check of aiayn.fileio: encodings, line endings
+        count = count_lines(path)  # and every check of aiayn.reading: encodings, line endings
         lines += count
         if not count or not _has_text(path):
             what = "is empty" if not count else f"holds {count} lines, every one of them blank"
@@ -158,7 +156,7 @@ def training_lines(train_files: list[str | Path], progress) -> Iterator[bytes]:
         done = 0
         with open(path, "rb") as handle:
             for number, line in enumerate(handle):
-                if number == 0:  # a byte-order mark is not text (the other readers of aiayn.fileio drop it too)
+                if number == 0:  # a byte-order mark is not text (the other readers of aiayn.reading drop it too)
                     line = line.removeprefix(codecs.BOM_UTF8)
                 yield line[:-1] if line.endswith(b"\n") else line
                 done += 1

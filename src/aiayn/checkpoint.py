@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from aiayn.errors import UserError
-from aiayn.fileio import atomic_path, input_exists, open_input
+from aiayn.reading import input_exists, open_input
+from aiayn.writing import atomic_path
 from aiayn.layout import AVERAGED_MODEL, CHECKPOINT_NAME, CHECKPOINTS, FINAL_MODEL, checkpoint_name
 from aiayn.model import ModelConfig, Transformer
 

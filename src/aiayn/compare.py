@@ -105,7 +105,7 @@ def main(argv=None):
     parser.add_argument("--csv", help="also write the table to this CSV file")
     args = parser.parse_args(argv)
     if args.csv:
-        from aiayn.fileio import refuse_overwriting_inputs
+        from aiayn.writing import refuse_overwriting_inputs
         from aiayn.tracking import resolve_tracking_uri
 
         store = local_store(resolve_tracking_uri(args.tracking_uri))
@@ -115,7 +115,7 @@ def main(argv=None):
         print(f"no training runs in experiment {args.experiment!r}")
         return 0
     if args.csv:
-        from aiayn.fileio import atomic_path
+        from aiayn.writing import atomic_path
 
         with atomic_path(args.csv) as tmp:
             table.to_csv(tmp, index=False)

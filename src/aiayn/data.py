@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import (count_lines, iter_lines, missing_folders, prepare_output, refuse_overwriting_inputs,
-                          remove_empty_folders, temporary_prefix, write_json_atomic)
+from aiayn.reading import count_lines, iter_lines
+from aiayn.writing import (missing_folders, prepare_output, refuse_overwriting_inputs, remove_empty_folders, temporary_prefix, write_json_atomic)
 from aiayn.data_checks import held_out_notes, warnings
 from aiayn.layout import DATA_STATS, text_name
 
@@ -236,7 +236,7 @@ def open_local_split(spec: dict | None, split: str, src_lang: str, tgt_lang: str
     counts = []
     for side, path in (("src", src_path), ("tgt", tgt_path)):
         try:
-            counts.append(count_lines(path))  # and every check of aiayn.fileio: directories, encodings, ...
+            counts.append(count_lines(path))  # and every check of aiayn.reading: directories, encodings, ...
         except UserError as error:
             raise UserError(f"data.local.{split}.{side}: {error}") from None
     src_lines, tgt_lines = counts

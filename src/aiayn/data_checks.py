@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aiayn.errors import UserError
-from aiayn.fileio import same_file
+from aiayn.reading import same_file
 
 if TYPE_CHECKING:
     from aiayn.data import SplitSource, SplitStats

@@ -274,7 +274,8 @@ class DecodeSettings:
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.config import add_config_arguments, check_section, section_from_arguments
-    from aiayn.fileio import prepare_output, read_lines, refuse_overwriting_inputs, write_lines_atomic
+    from aiayn.reading import read_lines
+    from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_lines_atomic
 
     parser = argparse.ArgumentParser(prog="aiayn decode", description=__doc__.splitlines()[0])
     add_config_arguments(parser, "decode")

@@ -43,7 +43,7 @@ DATA_FORMAT = 1
 
 def default_sentences(dev: str | Path | None = None, count: int = DEV_SENTENCES) -> list[str]:
     """The paper's two appendix sentences, then the first ``count`` non-blank lines of ``dev`` if given."""
-    from aiayn.fileio import read_lines
+    from aiayn.reading import read_lines
 
     sentences = [LONG_DISTANCE, ANAPHORA]
     if dev is not None:
@@ -53,7 +53,7 @@ def default_sentences(dev: str | Path | None = None, count: int = DEV_SENTENCES)
 
 def sentences_from_file(path: str | Path) -> list[str]:
     """Every line of ``path``, one sentence a line; a blank line is refused (it has nothing to attend to)."""
-    from aiayn.fileio import read_lines
+    from aiayn.reading import read_lines
 
     lines = read_lines(path)
     if not lines:
@@ -154,7 +154,7 @@ def write_explorer(model_path: str | Path, spm_model: str | Path, sentences: Seq
     from aiayn.checkpoint import load_model
     from aiayn.config import section_defaults
     from aiayn.decode import DecodeSettings
-    from aiayn.fileio import write_text_atomic
+    from aiayn.writing import write_text_atomic
 
     if not sentences:
         raise UserError("no sentences to explore; give --sentence or --input")
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.config import section_defaults, section_from_arguments
     from aiayn.decode import DecodeSettings
     from aiayn.device import choose_device
-    from aiayn.fileio import prepare_output, refuse_overwriting_inputs
+    from aiayn.writing import prepare_output, refuse_overwriting_inputs
 
     args = arguments().parse_args(argv)
     refuse_overwriting_inputs({"--out": args.out}, {

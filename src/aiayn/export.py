@@ -88,7 +88,7 @@ def export_ctranslate2(model: Transformer, pieces: Sequence[str], out_dir: str |
     CTranslate2 add the "</s>", so a caller gives the pieces alone; the decoder starts from "<s>".
     `quantization` is CTranslate2's weight type.
     """
-    from aiayn.fileio import atomic_path
+    from aiayn.writing import atomic_path
 
     _require("ctranslate2", "4.8.5")
     from ctranslate2.specs import common_spec, transformer_spec
@@ -227,7 +227,7 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
     never generated, EOS forced at the length limit (transformers' length penalty is len ** alpha,
     not ours, so it is left at transformers' default).
     """
-    from aiayn.fileio import atomic_path
+    from aiayn.writing import atomic_path
 
     _require("transformers", "5.23.0")
     import sentencepiece as spm
@@ -300,7 +300,7 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.bpe import load_processor
     from aiayn.checkpoint import load_model
-    from aiayn.fileio import prepare_output, refuse_overwriting_inputs, refuse_replacing_a_folder
+    from aiayn.writing import prepare_output, refuse_overwriting_inputs, refuse_replacing_a_folder
 
     args = arguments().parse_args(argv)
     if args.quantization is not None and args.format != "ctranslate2":

@@ -85,7 +85,7 @@ def claim_log() -> None:
     if log.is_dir():
         refuse_log(f"--log {log} is a folder; give the log a file name (e.g. {log / 'job.log'}) "
                    "(nothing was read or written)")
-    from aiayn.fileio import missing_folders, remove_empty_folders
+    from aiayn.writing import missing_folders, remove_empty_folders
 
     created = missing_folders(log)
     try:

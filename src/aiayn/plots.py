@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from aiayn.fileio import atomic_path
+from aiayn.writing import atomic_path
 
 DPI = 120
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Sequence
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import atomic_path, read_lines, refuse_overwriting_inputs, write_text_atomic
+from aiayn.reading import read_lines
+from aiayn.writing import atomic_path, refuse_overwriting_inputs, write_text_atomic
 from aiayn.layout import ATTENTION_EXPLORER, DEV_PPL_FIGURE, METRICS, TABLE3_BLEU_FIGURE, TABLES
 
 BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from aiayn.errors import UserError, cli
-from aiayn.fileio import prepare_output, read_lines, refuse_overwriting_inputs, same_file, write_json_atomic
+from aiayn.reading import read_lines, same_file
+from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 
 BLEU_TOK_METHOD = (
     "moses replace-unicode-punctuation + moses tokenizer -l {lang} (escaped) + compound split "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from aiayn.errors import UserError
-from aiayn.fileio import write_text_atomic
+from aiayn.writing import write_text_atomic
 from aiayn.layout import METRICS, MLFLOW_LOGGED_STEP, MLFLOW_RUN_ID
 
 
@@ -388,7 +388,7 @@ def _last_logged_step(path: Path) -> int:
 def read_run_file(run_file: str | Path) -> dict:
     """A training run's ``final.json`` (what ``--log-to-run`` names), read before a stage does its work,
     so that a wrong path costs nothing and leaves nothing behind; a UserError says what it is instead."""
-    from aiayn.fileio import check_input_path
+    from aiayn.reading import check_input_path
 
     path = check_input_path(run_file)
     try:

@@ -23,7 +23,8 @@ from typing import Sequence, TextIO
 
 from aiayn.decode import add_runtime_arguments, hypothesis_text, load_runtime, tokens_per_batch_argument, translate
 from aiayn.errors import UserError, cli
-from aiayn.fileio import GZIP_MAGIC, _not_text, refuse_overwriting_inputs
+from aiayn.reading import GZIP_MAGIC, _not_text
+from aiayn.writing import refuse_overwriting_inputs
 from aiayn.search import SearchConfig
 
 # What decompresses each format that _not_text names into a pipe.
@@ -51,7 +52,7 @@ def refuse_stdin_emptied_by_stdout() -> None:
 
 
 def read_source(stream) -> list[str]:
-    """Lines of a binary stream, split on "\\n" only (as aiayn.fileio.read_lines splits files).
+    """Lines of a binary stream, split on "\\n" only (as aiayn.reading.read_lines splits files).
 
     As for files, carriage returns alone as line ends (old Mac text) are refused: split on "\\n" the whole
     input would be one sentence, its translation one line for many; so are NUL bytes.

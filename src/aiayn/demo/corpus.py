@@ -10,7 +10,7 @@ from typing import Sequence
 from aiayn.demo.grammar import render
 from aiayn.demo.sampler import Sampler
 from aiayn.errors import UserError, cli
-from aiayn.fileio import write_lines_atomic
+from aiayn.writing import write_lines_atomic
 
 MAX_SOURCE_TOKENS = 40
 MAX_TARGET_TOKENS = 46

@@ -30,7 +30,7 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, 
 from aiayn.config import schema_default
 from aiayn.device import choose_device
 from aiayn.errors import UserError
-from aiayn.fileio import write_json_atomic
+from aiayn.writing import write_json_atomic
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
