@@ -117,7 +117,8 @@ def explorer_data(model: torch.nn.Module, processor: Any, sentences: Sequence[st
 
     device = model.embedding.weight.device
     hypotheses = translate(InferenceModel(model), processor, sentences, settings.search, settings.tokens_per_batch,
-                           device, progress=False, source="the sentences")
+                           device, progress=False, source="the sentences",
+                           max_source_tokens=settings.max_source_tokens)
     config = model.config
     return {
         "format": DATA_FORMAT,
