@@ -142,6 +142,17 @@ def test_huggingface_export_gives_our_logits_under_teacher_forcing(tmp_path, pre
     assert (ours - theirs)[real].abs().max() < 1e-4
 
 
+def test_huggingface_export_beam_size_is_the_schemas_decode_beam_size(tmp_path, trained):
+    need("transformers")
+    from transformers import GenerationConfig
+
+    from aiayn.config import schema_default
+
+    model, spm_model = trained
+    export_huggingface(model, spm_model, tmp_path / "hf")
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").num_beams == schema_default("decode.beam_size") == 4
+
+
 def test_huggingface_greedy_generate_translates_as_our_greedy_search(tmp_path, trained, test_sources):
     need("transformers")
     from transformers import MarianMTModel

@@ -29,6 +29,7 @@ from torch import Tensor
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.errors import UserError, cli
 from aiayn.model import Transformer, sinusoid_table
+from aiayn.search import SearchConfig
 
 FORMATS = ("ctranslate2", "huggingface")
 # CTranslate2 4.8's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES).
@@ -267,7 +268,8 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
         raise RuntimeError(f"Marian's weights do not match ours: missing {left}, unexpected {unexpected}")
     marian.generation_config = GenerationConfig(
         decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID], [BOS_ID]], num_beams=4, max_length=positions,
+        forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=positions,
+        num_beams=SearchConfig().beam_size,  # the schema's decode.beam_size, as `aiayn decode` searches
     )
     with atomic_path(out_dir, directory=True) as tmp:
         marian.save_pretrained(tmp)
