@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import shutil
 import subprocess
 import sys
@@ -347,3 +348,41 @@ def test_code_defaults_come_from_the_schema(tmp_path):
     greedy = inspect.signature(greedy_search).parameters
     assert (greedy["max_len_a"].default, greedy["max_len_b"].default, greedy["length_penalty_alpha"].default) == (
         schema_default("decode.max_len_a"), schema_default("decode.max_len_b"), schema_default("decode.length_penalty"))
+
+
+# --- every stage reads config files the same way: train too ----------------------------------------------
+
+def _train_args(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    for option in ("--config",):
+        parser.add_argument(option, nargs="+")
+    for option in ("--preset", "--preset-json", "--train-json"):
+        parser.add_argument(option)
+    return parser.parse_args(argv)
+
+
+def test_train_takes_config_files_and_a_preset_name_as_the_snakefile_resolves_them():
+    from aiayn.train.launch import _settings
+
+    demo = str(REPO / "config" / "config.yaml")
+    config = load_config([demo])
+    preset, train_section, experiment = _settings(_train_args(["--config", demo, "--preset", "demo_base"]))
+    assert preset == json.loads(to_json(resolve_preset(config, "demo_base")))  # what --preset-json carries
+    assert train_section == config["train"] and experiment == config["experiment"]
+    from_json = _settings(_train_args(["--preset-json", to_json(preset), "--train-json", to_json(train_section)]))
+    assert from_json[:2] == (preset, train_section)
+
+
+@pytest.mark.parametrize("argv", [
+    [],  # neither way
+    ["--config", "x.yaml"],  # files without a preset
+    ["--preset-json", "{}"],  # half of the Snakefile's pair
+    ["--config", "x.yaml", "--preset", "base", "--train-json", "{}"],  # both ways at once
+])
+def test_train_refuses_settings_given_half_or_twice_in_one_message(argv):
+    from aiayn.train.launch import _settings
+
+    with pytest.raises(UserError, match="--config FILE... with --preset NAME"):
+        _settings(_train_args(argv))

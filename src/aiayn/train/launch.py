@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import check_resolved_preset, check_section, schema_default
+from aiayn.config import check_resolved_preset, check_section, load_config, resolve_preset, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.writing import (missing_folders, refuse_overwriting_inputs, remove_empty_folders, remove_stale_temporaries_in)
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY, RUN_LOCK
@@ -140,6 +140,29 @@ def check_preset_json(preset, source: str) -> None:
         raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), [source]))
 
 
+def _settings(args) -> tuple[dict, dict, str]:
+    """(resolved preset, `train` section, experiment), each validated once: from --config files and --preset,
+    as every stage reads config files, or from the Snakefile's --preset-json and --train-json."""
+    from_files, from_json = args.config is not None, (args.preset_json, args.train_json) != (None, None)
+    if from_files == from_json or (from_files and not args.preset) or (from_json and None in (args.preset_json,
+                                                                                              args.train_json)):
+        raise UserError("aiayn train takes its settings either as --config FILE... with --preset NAME (the preset "
+                        "to train), or as --preset-json and --train-json together (what the Snakefile passes)")
+    if from_files:
+        config = load_config(args.config)
+        return (resolve_preset(config, args.preset, [str(path) for path in args.config]), config["train"],
+                config["experiment"])
+    if args.preset is not None:
+        raise UserError("--preset goes with --config; --preset-json gives the whole resolved preset")
+    try:
+        preset = json.loads(args.preset_json)
+        train_section = json.loads(args.train_json)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
+    check_preset_json(preset, "--preset-json")
+    return preset, check_section("train", train_section, "--train-json"), schema_default("experiment")
+
+
 def _report_status(status: int) -> int:
     """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
     target = os.environ.get("AIAYN_STATUS_FILE")
@@ -152,15 +175,19 @@ def _report_status(status: int) -> int:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="aiayn train", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset-json", required=True, help="the resolved preset (what the Snakefile passes)")
-    parser.add_argument("--train-json", required=True, help="the config's `train` section")
+    settings = parser.add_argument_group("settings: config files and a preset's name, or the Snakefile's JSON")
+    settings.add_argument("--config", nargs="+", metavar="FILE",
+                          help="config files, merged in order and validated (with --preset)")
+    settings.add_argument("--preset", help="with --config: the preset to train (one of the config's or the paper's)")
+    settings.add_argument("--preset-json", help="the resolved preset (what the Snakefile passes)")
+    settings.add_argument("--train-json", help="the config's `train` section (what the Snakefile passes)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--train-data", required=True, type=Path, help="binarized train split folder")
     parser.add_argument("--dev-data", type=Path, help="binarized dev split folder")
     parser.add_argument("--spm-model", required=True, type=Path)
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--experiment", default=schema_default("experiment"),
-                        help="the MLflow experiment (default: %(default)s, the schema's)")
+    parser.add_argument("--experiment", default=None,
+                        help="the MLflow experiment (default: --config's `experiment`, else the schema's)")
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("--no-tracking", action="store_true", help="metrics.jsonl only, no MLflow")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: leave torch's default)")
@@ -174,17 +201,12 @@ def main(argv=None):
     parser.add_argument("--stop-after-steps", type=int, default=None,
                         help="checkpoint and exit with status 75 after this many steps (resume by rerunning)")
     args = parser.parse_args(argv)
-    try:
-        preset = json.loads(args.preset_json)
-        train_section = json.loads(args.train_json)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
+    preset, train_section, experiment = _settings(args)
+    args.experiment = args.experiment or experiment
     if args.log_every is not None:
         if args.log_every < 1:
             raise UserError(f"--log-every {args.log_every} must be at least 1")
-        train_section = {**train_section, "log_every": args.log_every}
-    train_section = check_section("train", train_section, "--train-json")
-    check_preset_json(preset, "--preset-json")
+        train_section = check_section("train", {**train_section, "log_every": args.log_every}, "--log-every")
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
