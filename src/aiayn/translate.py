@@ -109,6 +109,9 @@ def arguments() -> argparse.ArgumentParser:
     defaults = section_defaults("decode")
     parser = argparse.ArgumentParser(prog="aiayn translate", description=__doc__.splitlines()[0])
     add_runtime_arguments(parser)
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once) whose `decode` section sets the defaults "
+                             "of the options below: a run's own search")
     parser.add_argument("--beam", type=int, default=defaults["beam_size"], help="beam size (paper: 4)")
     parser.add_argument("--alpha", type=float, default=defaults["length_penalty"], help="length penalty (paper: 0.6)")
     parser.add_argument("--n-best", type=int, default=SearchConfig().n_best, help="hypotheses per sentence")
@@ -123,9 +126,25 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict]:
+    """The options, and the `decode` section they stand on: --config's files', else the schema's defaults.
+    An option given on the command line wins over the files."""
+    from aiayn.config import load_config, section_defaults
+
+    parser = arguments()
+    args = parser.parse_args(argv)
+    if not args.config:
+        return args, section_defaults("decode")
+    section = load_config(args.config)["decode"]
+    parser.set_defaults(beam=section["beam_size"], alpha=section["length_penalty"], max_len_a=section["max_len_a"],
+                        max_len_b=section["max_len_b"], tokens_per_batch=section["tokens_per_batch"],
+                        workers=section["workers"], max_source_tokens=section["max_source_tokens"])
+    return parser.parse_args(argv), section
+
+
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    args = arguments().parse_args(argv)
+    args, section = _parse(argv)
     # `> model.pt` has emptied the model already (loading it says so); `>> model.pt` would append to it,
     # and `< f >> f` would grow the file it reads
     refuse_stdin_emptied_by_stdout()
@@ -134,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     config = SearchConfig(
         beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-        n_best=args.n_best,
+        n_best=args.n_best, stop_when_beam_finished=section["stop_when_beam_finished"],
+        stop_when_best_finished=section["stop_when_best_finished"],
     )
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
