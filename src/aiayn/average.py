@@ -22,6 +22,7 @@ import torch
 
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
+from aiayn.config import schema_default
 from aiayn.errors import UserError, cli
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import AVERAGE_SUMMARY
@@ -145,8 +146,9 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
                         help="of the dev evaluation, as train.precision (default: fp32)")
-    parser.add_argument("--dev-tokens", type=int, default=4000, metavar="N",
-                        help="tokens a side in one dev batch, as train.device_tokens (default: 4000)")
+    parser.add_argument("--dev-tokens", type=int, default=schema_default("train.device_tokens"), metavar="N",
+                        help="tokens a side in one dev batch, as train.device_tokens (default: %(default)s, the "
+                             "schema's)")
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
     args = parser.parse_args(argv)
     if (args.last is None) != (args.checkpoint_dir is None):
