@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--d-ff", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--beam", type=int, default=SearchConfig().beam_size,
+                        help="default: the schema's decode.beam_size")
     parser.add_argument("--tokens-per-batch", type=int, default=None,
                         help="padded source tokens x beam per batch (default: the decode stage's auto for the device)")
     parser.add_argument("--device", default="cuda")
