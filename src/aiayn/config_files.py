@@ -84,9 +84,9 @@ def check_config_files(files: Iterable[str | Path]) -> None:
     file for a syntax error or an empty file, and keeps the last of a key given twice without a word."""
     for file in files:
         if not load_yaml(file):
-            raise UserError(f"{file}: the config file is empty (it sets no key); a config sets at least its data and "
-                            "models (the paper's presets by name: README, \"Your own language pair\"), or names the demo's first to build on it: "
-                            f"--configfile config/config.yaml {file}")
+            raise UserError(f"{file}: the config file is empty (it sets no key); a config sets at least its data "
+                            "and models (the paper's presets by name: README, \"Your own language pair\"), or names "
+                            f"the demo's first to build on it: --configfile config/config.yaml {file}")
 
 
 def check_command_line_configfiles(argv: Sequence[str]) -> None:
