@@ -321,7 +321,7 @@ REFUSED = [
             ("--split", "'validation'"), "choose from"),
     Refused("binarize: an output folder holding other things",
             lambda case, shared: binarize(case, shared, out=str(write(case / "mine" / "notes.txt", b"x").parent)),
-            ("mine",), "give a new folder"),
+            ("mine",), "give --out-dir a new folder"),
     # decode, translate and average import torch (seconds each), so only their own cases: the rest of
     # their checks (threads, counts, a missing file) are the ones above or in their unit tests
     Refused("decode: a directory for the source text",
