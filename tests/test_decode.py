@@ -280,18 +280,20 @@ def test_translate_cli_takes_a_runs_decode_section_from_config_files_and_its_opt
     tmp_path, spm_model, text_model, monkeypatch, capsys
 ):
     save_model_file(tmp_path / "model.pt", text_model.model, spm_model)
-    (tmp_path / "run.yaml").write_text("decode: {beam_size: 2, max_len_b: 4, stop_when_beam_finished: true}\n")
+    (tmp_path / "run.yaml").write_text(  # a run's whole config: the paper's base, its own search
+        "models: [base]\ndecode: {beam_size: 2, max_len_b: 4, stop_when_beam_finished: true}\n")
     (tmp_path / "more.yaml").write_text("decode: {max_len_b: 3}\n")  # merged after the first, as everywhere
     model = ["--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model), "--device", "cpu"]
     processor = load_processor(spm_model)
     files = ["--config", str(tmp_path / "run.yaml"), str(tmp_path / "more.yaml")]
-    _, out, _ = run_translate(monkeypatch, capsys, "\n".join(SENTENCES) + "\n", model + files)
+    status, out, err = run_translate(monkeypatch, capsys, "\n".join(SENTENCES) + "\n", model + files)
+    assert status == 0, err
     assert out.split("\n") == best_translations(text_model, processor, SENTENCES, SearchConfig(
         beam_size=2, max_len_b=3, stop_when_beam_finished=True)) + [""]
     _, out, _ = run_translate(monkeypatch, capsys, "\n".join(SENTENCES) + "\n", model + files + ["--beam", "1"])
     assert out.split("\n") == best_translations(text_model, processor, SENTENCES, SearchConfig(
         beam_size=1, max_len_b=3, stop_when_beam_finished=True)) + [""]
-    (tmp_path / "bad.yaml").write_text("decode: {beam_size: 0}\n")
+    (tmp_path / "bad.yaml").write_text("models: [base]\ndecode: {beam_size: 0}\n")
     status, _, err = run_translate(monkeypatch, capsys, "x\n", model + ["--config", str(tmp_path / "bad.yaml")])
     assert status == 2 and "bad.yaml" in err and "beam_size" in err
 

@@ -16,7 +16,8 @@ from aiayn.presets import paper_presets
 
 
 def smallest_config(folder, extra: str = "") -> str:
-    """Data paths and `models: [base]`: the whole config for a pair of one's own."""
+    """Data paths and `models: [base]`: the whole config for a pair of one's own (``extra`` may name other
+    models: a key given twice in one file is refused)."""
     write_text_corpus(folder / "corpus", (("train", 50), ("dev", 5), ("test", 5)))
     path = folder / "config.yaml"
     path.write_text(
@@ -29,7 +30,7 @@ def smallest_config(folder, extra: str = "") -> str:
         "    train: {src: corpus/train.en, tgt: corpus/train.de}\n"
         "    dev: {src: corpus/dev.en, tgt: corpus/dev.de}\n"
         "    test: {src: corpus/test.en, tgt: corpus/test.de}\n"
-        "models: [base]\n" + extra)
+        + ("" if extra.startswith("models:") else "models: [base]\n") + extra)
     return str(path)
 
 

@@ -29,28 +29,23 @@ from aiayn.speed.search_steps import next_rows, reads_are_free, stable_slots, to
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
-def _schema_default(key: str) -> Any:
-    from aiayn.config import schema_default
-
-    return schema_default(f"decode.{key}")
-
-
 @dataclass(frozen=True)
 class SearchConfig:
     """How to search; the defaults are the paper's (Section 6.1, docs/PAPER.md "Inference")."""
 
-    # The schema's `decode` defaults (the one place they are written): beam 4, alpha 0.6, input length + 50
-    beam_size: int = _schema_default("beam_size")
-    length_penalty: float = _schema_default("length_penalty")  # alpha of GNMT's ((5 + length) / 6) ** alpha
-    max_len_a: float = _schema_default("max_len_a")  # at most floor(max_len_a * source_length + max_len_b) tokens
-    max_len_b: int = _schema_default("max_len_b")
+    # The schema's `decode` defaults, mirrored for code that runs with torch alone (no YAML reader);
+    # tests/test_config.py holds them equal to the schema's.
+    beam_size: int = 4
+    length_penalty: float = 0.6  # alpha of GNMT's ((5 + length) / 6) ** alpha
+    max_len_a: float = 1.0  # an output has at most floor(max_len_a * source_length + max_len_b) tokens
+    max_len_b: int = 50  # the paper: input length + 50
     n_best: int = 1  # hypotheses returned per sentence, best first
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
     # also stop once beam_size hypotheses have finished (fairseq's rule)
-    stop_when_beam_finished: bool = _schema_default("stop_when_beam_finished")
+    stop_when_beam_finished: bool = False
     # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
     # early exit; ``search_ends``)
-    stop_when_best_finished: bool = _schema_default("stop_when_best_finished")
+    stop_when_best_finished: bool = False
 
     def __post_init__(self) -> None:
         for name, minimum in (("beam_size", 1), ("n_best", 1), ("max_len_b", 0)):

@@ -187,7 +187,8 @@ def main(argv=None):
     parser.add_argument("--spm-model", required=True, type=Path)
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--experiment", default=None,
-                        help="the MLflow experiment (default: --config's `experiment`, else the schema's)")
+                        help=f"the MLflow experiment (default: {schema_default('experiment')}, the schema's) or, "
+                             "with --config, the files' experiment")
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument("--no-tracking", action="store_true", help="metrics.jsonl only, no MLflow")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: leave torch's default)")
