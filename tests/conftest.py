@@ -42,6 +42,17 @@ def write_text_corpus(folder: Path, sizes=(("train", 400), ("dev", 40), ("test",
     return local
 
 
+def corpus_with_bpe(root: Path, held_out: int = 10) -> Path:
+    """``root/raw``: 200 train pairs and ``held_out`` dev and test pairs; ``root/bpe``: a 100-piece shared
+    SentencePiece model learned from train. What the catalogue tests of bad input share, read and never changed."""
+    from aiayn.bpe import learn_bpe
+
+    write_text_corpus(root / "raw", (("train", 200), ("dev", held_out), ("test", held_out)))
+    learn_bpe([root / "raw" / "train.en", root / "raw" / "train.de"], root / "bpe", vocab_size=100,
+              input_sentence_size=0, threads=1)
+    return root
+
+
 def data_section(**overrides) -> dict:
     section = {"source": "local", "src_lang": "en", "tgt_lang": "de", "max_chars": 1000,
                "hub": {"path": "wmt/wmt14", "name": "de-en", "revision": "main",

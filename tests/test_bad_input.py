@@ -22,7 +22,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import data_section, write_text_corpus
+from conftest import corpus_with_bpe, data_section, write_text_corpus
 
 TIMEOUT = 60
 BPE = {"vocab_size": 100, "input_sentence_size": 0, "character_coverage": 1.0, "seed": 1}
@@ -32,13 +32,8 @@ BINARIZE = {"max_tokens": 64, "workers": 1}
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
     """A small corpus and a SentencePiece model trained on it, read (never changed) by every case."""
-    from aiayn.bpe import learn_bpe
-
     root = tmp_path_factory.mktemp("shared")
-    write_text_corpus(root / "raw", (("train", 200), ("dev", 20), ("test", 20)))
-    learn_bpe([root / "raw" / "train.en", root / "raw" / "train.de"], root / "bpe", vocab_size=100,
-              input_sentence_size=0, threads=1)
-    return root
+    return corpus_with_bpe(root, held_out=20)
 
 
 def run_cli(args: list[str], cwd: Path, stdin: bytes | None = None,

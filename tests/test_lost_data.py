@@ -139,11 +139,13 @@ def test_a_failed_export_leaves_no_output_folder(shared, other_vocabulary, tmp_p
 
 # --- 2. and 8. --log is an output like any other --------------------------------------------------------------
 
-def test_a_log_that_is_decodes_input_is_refused_and_the_input_kept(shared, tmp_path):
+@pytest.mark.parametrize("log, option", [("raw/test.en", "--input"), ("bpe/spm.model", "--spm-model")],
+                         ids=["the source text", "the SentencePiece model"])
+def test_a_log_that_is_one_of_decodes_inputs_is_refused_and_the_input_kept(shared, tmp_path, log, option):
     copy(shared, tmp_path, "model.pt", "bpe/spm.model", "raw/test.en")
     before = listing(tmp_path)
-    stderr = one_error(run_cli(["--log", "raw/test.en", *decode("out.de")], tmp_path))
-    assert "--log raw/test.en is the input --input raw/test.en" in stderr, stderr
+    stderr = one_error(run_cli(["--log", log, *decode("out.de")], tmp_path))
+    assert f"--log {log} is the input {option} {log}" in stderr, stderr
     assert listing(tmp_path) == before
 
 
@@ -154,14 +156,6 @@ def test_a_log_that_is_bpes_training_text_is_refused_and_the_text_kept(shared, t
     stderr = one_error(run_cli(["--log", "raw/train.de", "bpe", "--bpe-json", json.dumps(bpe), "--out-dir", "bpe",
                                 "raw/train.en", "raw/train.de"], tmp_path))
     assert "--log raw/train.de is the input training text raw/train.de" in stderr, stderr
-    assert listing(tmp_path) == before
-
-
-def test_a_log_that_is_the_sentencepiece_model_is_refused_and_the_model_kept(shared, tmp_path):
-    copy(shared, tmp_path, "model.pt", "bpe/spm.model", "raw/test.en")
-    before = listing(tmp_path)
-    stderr = one_error(run_cli(["--log", "bpe/spm.model", *decode("out.de")], tmp_path))
-    assert "--log bpe/spm.model is the input --spm-model bpe/spm.model" in stderr, stderr
     assert listing(tmp_path) == before
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, write_text_corpus
+from conftest import REPO, corpus_with_bpe, write_text_corpus
 
 # A search that ran would take minutes; a refusal takes the seconds of starting Python and torch.
 TIMEOUT = 90
@@ -55,14 +55,12 @@ def shared(tmp_path_factory) -> Path:
     """A corpus, its SentencePiece model and an untrained sinusoidal model over that vocabulary."""
     import torch
 
-    from aiayn.bpe import learn_bpe, vocab_fingerprint
+    from aiayn.bpe import vocab_fingerprint
     from aiayn.checkpoint import MODEL_FORMAT, save_model
     from aiayn.model import ModelConfig, Transformer
 
     root = tmp_path_factory.mktemp("misleading")
-    write_text_corpus(root / "raw", (("train", 200), ("dev", 10), ("test", 10)))
-    learn_bpe([root / "raw" / "train.en", root / "raw" / "train.de"], root / "bpe", vocab_size=100,
-              input_sentence_size=0, threads=1)
+    corpus_with_bpe(root)
     config = ModelConfig(vocab_size=100, n_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0, pad_id=0)
     torch.manual_seed(0)
     save_model({"format": MODEL_FORMAT, "model": Transformer(config).state_dict(), "averaged_steps": [0],

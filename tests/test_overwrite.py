@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import data_section, tiny_preset, write_text_corpus
+from conftest import corpus_with_bpe, data_section, tiny_preset
 
 TIMEOUT = 120
 REFUSED = "writing it would destroy that input"
@@ -34,14 +34,12 @@ def shared(tmp_path_factory) -> Path:
     two window checkpoints of one run (averaging them works): what each case copies and names twice."""
     import torch
 
-    from aiayn.bpe import learn_bpe, vocab_fingerprint
+    from aiayn.bpe import vocab_fingerprint
     from aiayn.checkpoint import CHECKPOINT_FORMAT, MODEL_FORMAT, save_model
     from aiayn.model import ModelConfig, Transformer
 
     root = tmp_path_factory.mktemp("overwrite")
-    write_text_corpus(root / "raw", (("train", 200), ("dev", 10), ("test", 10)))
-    learn_bpe([root / "raw" / "train.en", root / "raw" / "train.de"], root / "bpe", vocab_size=100,
-              input_sentence_size=0, threads=1)
+    corpus_with_bpe(root)
     config = ModelConfig(vocab_size=100, n_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0, pad_id=0)
     common = {"model_config": config.to_dict(), "vocab_fingerprint": vocab_fingerprint(root / "bpe" / "spm.model"),
               "data_fingerprint": "data"}

@@ -12,6 +12,7 @@ receive as JSON. Under a user's files lie only the schema's defaults and the pap
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from importlib import resources
 from pathlib import Path
@@ -163,11 +164,10 @@ def check_config(config: dict, sources: Sequence[str]) -> dict:
     Returns the config with defaults filled in. Raises UserError naming the file and key.
     """
     import jsonschema
-    import yaml
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 
-    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    schema = _schema()
     config = paper.with_paper_presets(config)
     validator = _validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
@@ -303,10 +303,17 @@ def add_config_arguments(parser, section: str) -> None:
                        help=f"the already validated `{section}` section as JSON (what the Snakefile passes)")
 
 
-def _schema() -> dict:
+@functools.lru_cache(maxsize=1)
+def _parsed_schema() -> dict:
     import yaml
 
     return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def _schema() -> dict:
+    """The schema, read and parsed once a process (every preset's resolution asks for it); a copy, so that
+    no caller can change what the next one reads."""
+    return copy.deepcopy(_parsed_schema())
 
 
 def schema_default(key: str) -> Any:
