@@ -100,9 +100,9 @@ def main(argv=None) -> int:
     parser.add_argument("--d-ff", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=6, help="encoder layers and decoder layers, each")
-    parser.add_argument("--beam", type=int, default=SearchConfig().beam_size,
+    parser.add_argument("--beam", type=int, default=SearchConfig.beam_size,
                         help="default: the schema's decode.beam_size")
-    parser.add_argument("--alpha", type=float, default=SearchConfig().length_penalty)
+    parser.add_argument("--alpha", type=float, default=SearchConfig.length_penalty)
     parser.add_argument("--tokens-per-batch", type=int, default=8000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2,

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--d-ff", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--beam", type=int, default=SearchConfig().beam_size,
+    parser.add_argument("--beam", type=int, default=SearchConfig.beam_size,
                         help="default: the schema's decode.beam_size")
     parser.add_argument("--tokens-per-batch", type=int, default=None,
                         help="padded source tokens x beam per batch (default: the decode stage's auto for the device)")
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    args.tokens_per_batch = resolve_tokens_per_batch(args.tokens_per_batch or "auto", device)
+    args.tokens_per_batch = resolve_tokens_per_batch(args.tokens_per_batch, device)
     torch.manual_seed(args.seed)
     model = NeverEnding(Transformer(ModelConfig(
         vocab_size=args.vocab, n_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, n_heads=args.heads,
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         for row, index in enumerate(batch):
             ids[row, : lengths[index]] = torch.tensor(sources[index])
         batches.append(ids.to(device))
-    config = SearchConfig(beam_size=args.beam, length_penalty=0.6, max_len_a=1.0, max_len_b=0)
+    config = SearchConfig(beam_size=args.beam, max_len_b=0)  # the paper's alpha; outputs as long as their sources
     target_tokens = sum(lengths) + len(lengths)  # each output: source-length tokens, then the forced EOS
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 

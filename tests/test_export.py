@@ -153,6 +153,18 @@ def test_huggingface_export_beam_size_is_the_schemas_decode_beam_size(tmp_path, 
     assert GenerationConfig.from_pretrained(tmp_path / "hf").num_beams == schema_default("decode.beam_size") == 4
 
 
+def test_export_cli_searches_with_the_configs_beam_size(tmp_path, trained, capsys):
+    need("transformers")
+    from transformers import GenerationConfig
+
+    model, spm_model = trained
+    save_model_file(tmp_path / "model.pt", model, spm_model)
+    (tmp_path / "c.yaml").write_text("models: [base]\ndecode: {beam_size: 6}\n")
+    assert main(["--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model), "--format", "huggingface",
+                 "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "c.yaml")]) == 0
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").num_beams == 6
+
+
 def test_huggingface_greedy_generate_translates_as_our_greedy_search(tmp_path, trained, test_sources):
     need("transformers")
     from transformers import MarianMTModel

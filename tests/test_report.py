@@ -263,6 +263,19 @@ def test_the_command_writes_everything_and_logs_it_to_the_base_run(results, tmp_
     assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/table3_bleu.png"} <= logged
 
 
+def test_the_command_takes_config_files_as_the_presets_the_snakefile_passes(results, tmp_path):
+    from aiayn.config import load_config, resolve_presets
+
+    (tmp_path / "c.yaml").write_text("models: [A_heads_1, base]\nseeds: [1, 2]\n")
+    presets = json.dumps(resolve_presets(load_config([tmp_path / "c.yaml"])))
+    common = [*arguments(results), "--no-tracking", "--no-figures", "--bootstrap-samples", "0"]
+    assert main(["--presets-json", presets, *common, "--out-dir", str(tmp_path / "json")]) == 0
+    assert main(["--config", str(tmp_path / "c.yaml"), *common, "--out-dir", str(tmp_path / "files")]) == 0
+    for table in ("table2.csv", "table3.csv"):
+        assert (tmp_path / "files" / table).read_text() == (tmp_path / "json" / table).read_text()
+    assert "A h=1" in (tmp_path / "files" / "table3.csv").read_text()
+
+
 def test_missing_dev_translations_are_a_user_error(results, tmp_path, capsys):
     (results / "decode" / "A_heads_1" / "seed2" / "dev.de").unlink()
     status = main(["--presets-json", json.dumps(PRESETS), *arguments(results), "--out-dir", str(tmp_path),

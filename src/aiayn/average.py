@@ -22,7 +22,7 @@ import torch
 
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
-from aiayn.config import schema_default
+from aiayn.config import parse_with_config, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import AVERAGE_SUMMARY
@@ -133,6 +133,10 @@ def average_checkpoints(paths: list[str | os.PathLike]) -> dict:
 @cli
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="aiayn average", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once): --last is --preset's average_last, "
+                             "--precision and --dev-tokens the `train` section's; an option given here wins")
+    parser.add_argument("--preset", help="with --config: the run's preset (default: the config's model, if one)")
     parser.add_argument("--output", required=True, type=Path, help="the averaged model file to write")
     parser.add_argument("--last", type=int, metavar="K", help="average the last K checkpoints of --checkpoint-dir")
     parser.add_argument("--checkpoint-dir", type=Path, help="directory of step_*.pt checkpoints (with --last)")
@@ -150,7 +154,9 @@ def main(argv=None):
                         help="tokens a side in one dev batch, as train.device_tokens (default: %(default)s, the "
                              "schema's)")
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
-    args = parser.parse_args(argv)
+    args, _ = parse_with_config(parser, argv, _config_defaults)
+    if args.preset is not None and args.config is None:
+        raise UserError("--preset names a preset of --config's files; give --config FILE... too")
     if (args.last is None) != (args.checkpoint_dir is None):
         raise UserError("--last K and --checkpoint-dir DIR go together; give both, or list checkpoint files instead")
     if args.last is not None and args.checkpoints:
@@ -161,7 +167,8 @@ def main(argv=None):
                        if args.last is not None else [])
     outputs = {"--output": args.output, **({"--summary": args.summary} if args.summary else {})}
     refuse_overwriting_inputs(outputs, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
-                                        "--log-to-run": args.log_to_run, "--dev-data": args.dev_data})
+                                        "--log-to-run": args.log_to_run, "--dev-data": args.dev_data,
+                                        "--config": args.config})
     if args.summary and not args.dev_data:
         raise UserError("--summary is where the dev comparison goes: give --dev-data too, or leave --summary out")
     if args.dev_tokens < 1:
@@ -189,6 +196,22 @@ def main(argv=None):
         from aiayn.tracking import log_to_existing_run
 
         log_to_existing_run(args.log_to_run, args.tracking_uri, metrics=metrics, tags=tags)
+
+
+def _config_defaults(config: dict, args: argparse.Namespace) -> dict:
+    """The options --config sets: the preset's average_last (with --preset, or the config's one model) and
+    how the `train` section evaluates dev batches."""
+    from aiayn.config import resolve_preset
+
+    defaults = {"precision": config["train"]["precision"], "dev_tokens": config["train"]["device_tokens"],
+                "tracking_uri": config["tracking_uri"]}
+    name = args.preset or (config["models"][0] if len(config["models"]) == 1 else None)
+    if name is not None:
+        defaults["last"] = resolve_preset(config, name, [str(path) for path in args.config])["average_last"]
+    elif args.last is None and args.checkpoint_dir is not None:
+        raise UserError(f"--config: the config has {len(config['models'])} models; name the run's with --preset "
+                        f"(one of {', '.join(config['models'])}), or give --last K")
+    return defaults
 
 
 DEV_METRICS = ("dev_ppl_last", "dev_ppl_averaged", "dev_nll_last", "dev_nll_averaged", "dev_nll_difference",

@@ -98,18 +98,26 @@ def _last_step(mlflow, run_id: str) -> int | None:
 
 @cli
 def main(argv=None):
+    from aiayn.config import parse_with_config
+
     parser = argparse.ArgumentParser(prog="aiayn compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--experiment", required=True, help="MLflow experiment (the config's `experiment`)")
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once): their experiment and tracking_uri")
+    parser.add_argument("--experiment", help="MLflow experiment (the config's `experiment`)")
     parser.add_argument("--tracking-uri", default=None, help="default: MLFLOW_TRACKING_URI or sqlite:///results/mlflow.db")
     parser.add_argument("--latest", action="store_true", help="only the newest finished run of each preset and seed")
     parser.add_argument("--csv", help="also write the table to this CSV file")
-    args = parser.parse_args(argv)
+    args, _ = parse_with_config(parser, argv, lambda config, _: {"experiment": config["experiment"],
+                                                                 "tracking_uri": config["tracking_uri"]})
+    if args.experiment is None:
+        raise UserError("aiayn compare: name the runs' experiment, --experiment NAME (the config's `experiment`), "
+                        "or give the config: --config FILE...")
     if args.csv:
         from aiayn.writing import refuse_overwriting_inputs
         from aiayn.tracking import resolve_tracking_uri
 
         store = local_store(resolve_tracking_uri(args.tracking_uri))
-        refuse_overwriting_inputs({"--csv": args.csv}, {"--tracking-uri": store})
+        refuse_overwriting_inputs({"--csv": args.csv}, {"--tracking-uri": store, "--config": args.config})
     table = compare_runs(args.experiment, args.tracking_uri, args.latest)
     if table.empty:
         print(f"no training runs in experiment {args.experiment!r}")

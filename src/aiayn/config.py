@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -139,6 +140,8 @@ def _schema_error_message(error, sources: Sequence[str]) -> str:
             "; the demo's config/config.yaml is not read under yours: to build on it, name it first, "
             "--configfile config/config.yaml " + str(sources[-1] if sources else "yours.yaml"))
         return f"{where}: {error.message} at {key} (see config/README.md{demo})"
+    if error.validator == "type" and isinstance(error.instance, float) and not math.isfinite(error.instance):
+        return f"{where}: {key} = {error.instance!r} is not a finite number"
     if error.validator == "type" and isinstance(error.instance, float) and "integer" in error.validator_value:
         whole = f"write {int(error.instance)}" if error.instance.is_integer() else "a whole number is needed"
         return f"{where}: {key} = {error.instance!r} is not a whole number as written ({whole}, without a decimal point)"
@@ -148,13 +151,16 @@ def _schema_error_message(error, sources: Sequence[str]) -> str:
 
 
 def _validator(schema: dict):
-    """JSON Schema's draft 2020-12, except that an integer is written as one: the standard counts 32.0 as
-    the integer 32, which a layer size or a step count then takes as a float, failing later or not at all."""
+    """JSON Schema's draft 2020-12, except that an integer is written as one (the standard counts 32.0 as
+    the integer 32, which a layer size or a step count then takes as a float, failing later or not at all)
+    and a number is finite (YAML's .nan and .inf pass the standard's type and every bound)."""
     import jsonschema
 
     base = jsonschema.Draft202012Validator
-    checker = base.TYPE_CHECKER.redefine(
-        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+    checker = base.TYPE_CHECKER.redefine_many({
+        "integer": lambda _, value: isinstance(value, int) and not isinstance(value, bool),
+        "number": lambda _, value: (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                    and math.isfinite(value))})
     return jsonschema.validators.extend(base, type_checker=checker)(schema)
 
 
@@ -238,6 +244,11 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
     return resolved
 
 
+def resolve_presets(config: dict, sources: Sequence[str] = ("config",)) -> dict:
+    """Every model's preset of a checked config, resolved, by name in the order of ``models``."""
+    return {name: resolve_preset(config, name, sources) for name in config["models"]}
+
+
 def _check_heads(name: str, chain: Sequence[str], preset: dict, sources: Sequence[str]) -> None:
     try:
         check_heads(preset["n_heads"], preset["d_model"], preset["d_head"], f"presets.{name}.n_heads")
@@ -300,7 +311,20 @@ def add_config_arguments(parser, section: str) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--config", nargs="+", metavar="FILE", help="config files, merged in order and validated")
     group.add_argument(f"--{section}-json", dest="section_json", metavar="JSON",
-                       help=f"the already validated `{section}` section as JSON (what the Snakefile passes)")
+                       help=f"the `{section}` section as JSON (what the Snakefile passes)")
+
+
+def parse_with_config(parser, argv, defaults) -> tuple[Any, dict | None]:
+    """``parser``'s options, where a stage takes ``--config FILE...`` beside options the Snakefile passes
+    one by one: the merged, validated config (or None) and the options parsed with their defaults taken
+    from it (``defaults(config, args)``: option dest -> value), so that an option given on the command
+    line wins over the files."""
+    args = parser.parse_args(argv)
+    if not getattr(args, "config", None):
+        return args, None
+    config = load_config(args.config)
+    parser.set_defaults(**defaults(config, args))
+    return parser.parse_args(argv), config
 
 
 @functools.lru_cache(maxsize=1)
@@ -368,12 +392,26 @@ def check_section(section: str, values: Any, source: str) -> dict:
     return values
 
 
-def section_from_arguments(args, section: str) -> dict:
-    """The section from --<section>-json (checked, defaults filled) or from --config files."""
+def check_value(section: str, key: str, value: Any, source: str) -> Any:
+    """One value of a section, given apart (a command-line option: ``--workers``): checked by the schema's
+    rule for it, with ``source`` named in the message."""
+    check_section(section, {key: value}, source)
+    return value
+
+
+def section_from_arguments(args, section: str, overrides: dict | None = None) -> dict:
+    """The section from --<section>-json (checked, defaults filled) or from --config files, each value
+    checked once: ``overrides`` (key -> (option, value), value None for an option not given) replace the
+    section's values after the one check of each, by the schema's rule, with the option named."""
     if args.section_json is not None:
         try:
             values = json.loads(args.section_json)
         except json.JSONDecodeError as error:
             raise UserError(f"--{section}-json is not valid JSON ({error})") from None
-        return check_section(section, values, f"--{section}-json")
-    return load_config(args.config)[section]
+        values = check_section(section, values, f"--{section}-json")
+    else:
+        values = load_config(args.config)[section]
+    for key, (option, value) in (overrides or {}).items():
+        if value is not None:
+            values[key] = check_value(section, key, value, option)
+    return values

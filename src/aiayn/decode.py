@@ -40,11 +40,11 @@ def translate(
     model: SearchModel,
     processor: Any,
     sentences: Sequence[str],
-    config: SearchConfig = SearchConfig(),
-    tokens_per_batch: int | str = "auto",
+    config: SearchConfig | None = None,
+    tokens_per_batch: int | str | None = None,
     device: torch.device | str = "cpu",
     progress: bool = True,
-    workers: int = 1,
+    workers: int | None = None,
     source: str = "the input",
     max_source_tokens: int | None = None,
 ) -> list[list[Hypothesis]]:
@@ -52,13 +52,15 @@ def translate(
     (``hypothesis_text`` turns one into text).
 
     A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
-    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches. Sentences longer than a
+    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches. What is left out is the
+    schema's `decode` default. Sentences longer than a
     learned positional table, or of more than ``max_source_tokens`` BPE tokens, are refused before any is
     searched, by line of ``source`` (``check_lengths``).
     """
     from tqdm import tqdm
 
     device = torch.device(device)
+    config = config or SearchConfig()
     tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
@@ -98,8 +100,9 @@ def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[in
         _refuse_learned_overflow(config.max_positions, lengths, lines, source)
     if max_source_tokens is None:
         return
-    if isinstance(max_source_tokens, bool) or not isinstance(max_source_tokens, int) or max_source_tokens < 1:
-        raise UserError(f"max_source_tokens = {max_source_tokens!r} must be a whole number of at least 1")
+    from aiayn.config import check_value
+
+    check_value("decode", "max_source_tokens", max_source_tokens, "max_source_tokens")
     too_long = [(line + 1, length) for line, length in zip(lines, lengths) if length - 1 > max_source_tokens]
     if too_long:
         raise UserError(
@@ -128,13 +131,16 @@ def hypothesis_text(processor: Any, hypothesis: Hypothesis) -> str:
     return processor.decode(hypothesis.tokens) if hypothesis.tokens else ""
 
 
-def resolve_tokens_per_batch(tokens_per_batch: int | str, device: torch.device | str) -> int:
-    """decode.tokens_per_batch as a number: `auto` by the device's type (AUTO_TOKENS_PER_BATCH, else
-    CPU_TOKENS_PER_BATCH); a number as it is."""
+def resolve_tokens_per_batch(tokens_per_batch: int | str | None, device: torch.device | str) -> int:
+    """decode.tokens_per_batch (None: the schema's default) as a number, checked by the schema's rule:
+    `auto` by the device's type (AUTO_TOKENS_PER_BATCH, else CPU_TOKENS_PER_BATCH); a number as it is."""
+    from aiayn.config import check_value, schema_default
+
+    if tokens_per_batch is None:
+        tokens_per_batch = schema_default("decode.tokens_per_batch")
+    check_value("decode", "tokens_per_batch", tokens_per_batch, "tokens_per_batch")
     if tokens_per_batch == "auto":
         return AUTO_TOKENS_PER_BATCH.get(torch.device(device).type, CPU_TOKENS_PER_BATCH)
-    if isinstance(tokens_per_batch, bool) or not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
-        raise UserError(f"tokens_per_batch = {tokens_per_batch!r} must be a whole number of at least 1, or auto")
     return tokens_per_batch
 
 
@@ -165,8 +171,8 @@ def search_workers(workers: int, device: torch.device) -> int:
 def search_batches(
     model: SearchModel,
     batches: Sequence[Tensor],
-    config: SearchConfig = SearchConfig(),
-    workers: int = 1,
+    config: SearchConfig | None = None,
+    workers: int | None = None,
     on_done: Callable[[int], None] | None = None,
 ) -> list[list[list[Hypothesis]]]:
     """beam_search on each padded batch (all on one device, most sentences first), returning each
@@ -181,8 +187,11 @@ def search_batches(
     on_done(sentences) is called as each batch finishes (from the calling thread).
     Under inference_mode, with bf16 autocast on CUDA.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise UserError(f"workers = {workers!r} must be a whole number of at least 1")
+    from aiayn.config import check_value, schema_default
+
+    config = config or SearchConfig()
+    workers = check_value("decode", "workers", schema_default("decode.workers") if workers is None else workers,
+                          "workers")
     if not batches:
         return []
     device = batches[0].device
@@ -263,17 +272,14 @@ class DecodeSettings:
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> DecodeSettings:
-        """From a checked section with the schema's defaults filled in (``aiayn.config``)."""
-        values = dict(section)
-        tokens_per_batch, workers = values.pop("tokens_per_batch"), values.pop("workers")
-        max_source_tokens = values.pop("max_source_tokens")
-        return cls(search=SearchConfig.from_dict(values), tokens_per_batch=tokens_per_batch, workers=workers,
-                   max_source_tokens=max_source_tokens)
+        """From a section the config reader checked and filled (``aiayn.config``): not checked again."""
+        return cls(search=SearchConfig.from_section(section), tokens_per_batch=section["tokens_per_batch"],
+                   workers=section["workers"], max_source_tokens=section["max_source_tokens"])
 
 
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.config import add_config_arguments, check_section, section_from_arguments
+    from aiayn.config import add_config_arguments, section_from_arguments
     from aiayn.reading import read_lines
     from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_lines_atomic
 
@@ -291,13 +297,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                               {"--input": args.input, "--model": args.model, "--spm-model": args.spm_model,
                                "--config": args.config})
 
-    section = section_from_arguments(args, "decode")
-    if args.workers is not None:
-        section = check_section("decode", {**section, "workers": args.workers}, "--workers")
-    if args.max_source_tokens is not None:
-        section = check_section("decode", {**section, "max_source_tokens": args.max_source_tokens},
-                                "--max-source-tokens")
-    settings = DecodeSettings.from_section(section)
+    settings = DecodeSettings.from_section(section_from_arguments(args, "decode", {
+        "workers": ("--workers", args.workers), "max_source_tokens": ("--max-source-tokens", args.max_source_tokens)}))
     config = settings.search
     prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
     sentences = read_lines(args.input)

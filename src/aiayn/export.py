@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from aiayn.config import parse_with_config
 from aiayn.errors import UserError, cli
 from aiayn.model import Transformer, sinusoid_table
 from aiayn.search import SearchConfig
@@ -221,10 +222,12 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     return {name: tensor.detach().float().cpu().contiguous() for name, tensor in state.items()}
 
 
-def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str | Path) -> Path:
+def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str | Path,
+                       beam_size: int | None = None) -> Path:
     """Write `model` and its SentencePiece vocabulary as a MarianMTModel / MarianTokenizer folder.
 
-    The generation defaults are the paper's search where Marian can express it: beam 4, pad and BOS
+    The generation defaults are the search of `aiayn decode` where Marian can express it: ``beam_size``
+    (default: the schema's decode.beam_size, the paper's), pad and BOS
     never generated, EOS forced at the length limit (transformers' length penalty is len ** alpha,
     not ours, so it is left at transformers' default).
     """
@@ -269,7 +272,7 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
     marian.generation_config = GenerationConfig(
         decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=positions,
-        num_beams=SearchConfig().beam_size,  # the schema's decode.beam_size, as `aiayn decode` searches
+        num_beams=beam_size or SearchConfig.beam_size,  # as `aiayn decode` searches: decode.beam_size
     )
     with atomic_path(out_dir, directory=True) as tmp:
         marian.save_pretrained(tmp)
@@ -293,6 +296,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", required=True,
                         help=f"a new folder to write (or a previous export, which holds {EXPORT_MARKER} and is replaced)")
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once): huggingface's generation config "
+                             "searches with their decode.beam_size (default: the schema's)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="ctranslate2 only: the engine's weight type (default: float32, as trained)")
     return parser
@@ -304,13 +310,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.checkpoint import load_model
     from aiayn.writing import prepare_output, refuse_overwriting_inputs, refuse_replacing_a_folder
 
-    args = arguments().parse_args(argv)
+    args, config = parse_with_config(arguments(), argv, lambda config, _: {})
     if args.quantization is not None and args.format != "ctranslate2":
         raise UserError(f"--quantization {args.quantization} is for --format ctranslate2 only; "
                         "a Hugging Face export keeps the trained float32 weights (drop --quantization)")
     # all before the work: the folder is replaced as a whole, so it may hold no input and nothing of the user's;
     # its folder is made only when the export is written, so that a failed export leaves nothing behind
-    refuse_overwriting_inputs({}, {"--model": args.model, "--spm-model": args.spm_model}, {"--out": args.out})
+    refuse_overwriting_inputs({}, {"--model": args.model, "--spm-model": args.spm_model, "--config": args.config},
+                              {"--out": args.out})
     refuse_replacing_a_folder("--out", args.out, EXPORT_MARKER, "aiayn export")
     prepare_output(args.out, directory=True, create=False)
     model = load_model(args.model, "cpu", spm_model=args.spm_model)
@@ -319,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         pieces = [processor.id_to_piece(index) for index in range(processor.get_piece_size())]
         export_ctranslate2(model, pieces, args.out, args.quantization)
     else:
-        export_huggingface(model, args.spm_model, args.out)
+        export_huggingface(model, args.spm_model, args.out, beam_size=config and config["decode"]["beam_size"])
     print(f"exported {args.model} as {args.format} to {args.out}")
 
 

@@ -334,20 +334,21 @@ def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
             in zip(args.runs, args.dev_scores, args.test_scores, translations, averages)]
 
 
-def attention_explorer(args: argparse.Namespace) -> Path:
+def attention_explorer(args: argparse.Namespace, config: dict | None = None) -> Path:
     """The attention explorer's page of --attention-model (aiayn.explore), on the paper's two sentences and the
-    first of --explorer-dev, translated with --decode-json's search."""
+    first of --explorer-dev, translated with the decode stage's search: --decode-json's, else --config's
+    decode section, else the schema's."""
     from aiayn.config import check_section, section_defaults
     from aiayn.decode import DecodeSettings
     from aiayn.explore import default_sentences, write_explorer
 
-    if args.decode_json is None:
-        section = section_defaults("decode")
-    else:
+    if args.decode_json is not None:
         try:
             section = check_section("decode", json.loads(args.decode_json), "--decode-json")
         except json.JSONDecodeError as error:
             raise UserError(f"--decode-json is not valid JSON ({error})") from None
+    else:
+        section = config["decode"] if config else section_defaults("decode")
     written = write_explorer(args.attention_model, args.spm_model, default_sentences(args.explorer_dev),
                              Path(args.out_dir) / ATTENTION_EXPLORER, DecodeSettings.from_section(section))
     return written["path"]
@@ -355,8 +356,14 @@ def attention_explorer(args: argparse.Namespace) -> Path:
 
 @cli
 def main(argv=None):
+    from aiayn.config import parse_with_config, resolve_presets
+
     parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
-    parser.add_argument("--presets-json", required=True, help="resolved presets by name (what the Snakefile passes)")
+    settings = parser.add_mutually_exclusive_group(required=True)
+    settings.add_argument("--config", nargs="+", metavar="FILE",
+                          help="config files (merged in order, validated once): their models' presets, their decode "
+                               "section (the explorer's search) and tracking_uri")
+    settings.add_argument("--presets-json", help="resolved presets by name (what the Snakefile passes)")
     parser.add_argument("--runs", type=Path, nargs="+", required=True,
                         help="each run's final.json (the train stage's output)")
     parser.add_argument("--dev-scores", type=Path, nargs="+", required=True,
@@ -383,7 +390,7 @@ def main(argv=None):
                                               "with it (default: the schema's)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
-    args = parser.parse_args(argv)
+    args, config = parse_with_config(parser, argv, lambda config, _: {"tracking_uri": config["tracking_uri"]})
     refuse_overwriting_inputs(
         {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
                        "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png",
@@ -391,13 +398,17 @@ def main(argv=None):
         {"--runs": args.runs, "--dev-scores": args.dev_scores, "--test-scores": args.test_scores,
          "--dev-translations": args.dev_translations, "--dev-references": args.dev_references,
          "--averages": args.averages,
-         "--attention-model": args.attention_model, "--spm-model": args.spm_model, "--explorer-dev": args.explorer_dev})
+         "--attention-model": args.attention_model, "--spm-model": args.spm_model, "--explorer-dev": args.explorer_dev,
+         "--config": args.config})
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
-    try:
-        presets = json.loads(args.presets_json)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--presets-json is not valid JSON ({error})") from None
+    if config:
+        presets = resolve_presets(config, args.config)
+    else:
+        try:
+            presets = json.loads(args.presets_json)
+        except json.JSONDecodeError as error:
+            raise UserError(f"--presets-json is not valid JSON ({error})") from None
     report = build_report(presets, run_files_from_arguments(args), args.out_dir, dev_references=args.dev_references,
                           bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures)
     files = report["files"]
@@ -406,7 +417,7 @@ def main(argv=None):
 
         drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
         files += [drawn["long_distance"], drawn["anaphora"]]
-        files.append(attention_explorer(args))
+        files.append(attention_explorer(args, config))
     run_file = base_run_file(report)
     if not args.no_tracking and run_file is None:
         print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from aiayn.config import parse_with_config, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.reading import read_lines, same_file
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
@@ -220,7 +221,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="aiayn score", description=__doc__.splitlines()[0])
     parser.add_argument("--hyp", required=True, help="detokenized hypotheses, one segment per line")
     parser.add_argument("--ref", required=True, help="detokenized references, one segment per line")
-    parser.add_argument("--lang", default="de", help="target language for the Moses tokenizer (default: de)")
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once): --lang is their data.tgt_lang")
+    parser.add_argument("--lang", default=schema_default("data.tgt_lang"),
+                        help="target language for the Moses tokenizer (default: %(default)s, data.tgt_lang's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text block")
     parser.add_argument("--output", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
@@ -228,9 +232,11 @@ def main(argv=None):
                              "of this training run's final.json")
     parser.add_argument("--split", default="test", help="metric name prefix with --log-to-run (dev or test)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
-    args = parser.parse_args(argv)
+    args, _ = parse_with_config(parser, argv, lambda config, _: {"lang": config["data"]["tgt_lang"],
+                                                                 "tracking_uri": config["tracking_uri"]})
     refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
-                              {"--hyp": args.hyp, "--ref": args.ref, "--log-to-run": args.log_to_run})
+                              {"--hyp": args.hyp, "--ref": args.ref, "--log-to-run": args.log_to_run,
+                               "--config": args.config})
     if args.log_to_run is not None:  # read before the work: a wrong path costs nothing and leaves nothing
         from aiayn.tracking import read_run_file
 

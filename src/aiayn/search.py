@@ -17,47 +17,50 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.config import check_section, schema_default
 from aiayn.errors import UserError
 from aiayn.speed.search_steps import next_rows, reads_are_free, stable_slots, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
+# The schema's `decode` keys that are the search's own (the rest say how the decode stage feeds it).
+SEARCH_KEYS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished",
+               "stop_when_best_finished")
+_PAPER = {key: schema_default(f"decode.{key}") for key in SEARCH_KEYS}  # the schema, the one home of defaults
+
+
 @dataclass(frozen=True)
 class SearchConfig:
-    """How to search; the defaults are the paper's (Section 6.1, docs/PAPER.md "Inference")."""
+    """How to search; the defaults are the schema's `decode` section, the paper's (Section 6.1,
+    docs/PAPER.md "Inference"). A value is checked by the schema's rules once, where it enters: built
+    here (the Python API), or from a section the config reader checked already (``from_section``)."""
 
-    # The schema's `decode` defaults, mirrored for code that runs with torch alone (no YAML reader);
-    # tests/test_config.py holds them equal to the schema's.
-    beam_size: int = 4
-    length_penalty: float = 0.6  # alpha of GNMT's ((5 + length) / 6) ** alpha
-    max_len_a: float = 1.0  # an output has at most floor(max_len_a * source_length + max_len_b) tokens
-    max_len_b: int = 50  # the paper: input length + 50
-    n_best: int = 1  # hypotheses returned per sentence, best first
-    early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
+    beam_size: int = _PAPER["beam_size"]
+    length_penalty: float = _PAPER["length_penalty"]  # alpha of GNMT's ((5 + length) / 6) ** alpha
+    max_len_a: float = _PAPER["max_len_a"]  # an output has at most floor(max_len_a * source + max_len_b) tokens
+    max_len_b: int = _PAPER["max_len_b"]
     # also stop once beam_size hypotheses have finished (fairseq's rule)
-    stop_when_beam_finished: bool = False
+    stop_when_beam_finished: bool = _PAPER["stop_when_beam_finished"]
     # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
     # early exit; ``search_ends``)
-    stop_when_best_finished: bool = False
+    stop_when_best_finished: bool = _PAPER["stop_when_best_finished"]
+    # Of the Python API alone (the decode stage writes the best of each sentence and always stops early):
+    n_best: int = 1  # hypotheses returned per sentence, best first
+    early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
+    checked: InitVar[bool] = False  # the schema's keys were checked where they entered (``from_section``)
 
-    def __post_init__(self) -> None:
-        for name, minimum in (("beam_size", 1), ("n_best", 1), ("max_len_b", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise UserError(f"decode.{name} = {value!r} must be a whole number of at least {minimum}")
-        for name in ("length_penalty", "max_len_a"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UserError(f"decode.{name} = {value!r} must be a number")
-        if self.max_len_a < 0:
-            raise UserError(f"decode.max_len_a = {self.max_len_a} must not be negative")
+    def __post_init__(self, checked: bool) -> None:
+        if not checked:
+            check_section("decode", {key: getattr(self, key) for key in SEARCH_KEYS}, "SearchConfig")
+        if isinstance(self.n_best, bool) or not isinstance(self.n_best, int) or self.n_best < 1:
+            raise UserError(f"n_best = {self.n_best!r} must be a whole number of at least 1")
         if self.n_best > self.beam_size:
             raise UserError(
                 f"n_best = {self.n_best} is more than beam_size = {self.beam_size} "
@@ -66,11 +69,18 @@ class SearchConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SearchConfig:
+        """From keyword values, unchecked (the Python API): unknown keys are named."""
         known = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise UserError(f"unknown decode setting(s): {', '.join(unknown)} (known: {', '.join(known)})")
         return cls(**values)
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any], **api: Any) -> SearchConfig:
+        """From a `decode` section that the config reader has checked and filled (``aiayn.config``), and
+        the Python API's own fields (``n_best``, ``early_stopping``)."""
+        return cls(**{key: section[key] for key in SEARCH_KEYS}, **api, checked=True)
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int, pad_id: in
 
 @torch.no_grad()
 def beam_search(
-    model: SearchModel, src: Tensor, config: SearchConfig = SearchConfig(), scratch: Any = None
+    model: SearchModel, src: Tensor, config: SearchConfig | None = None, scratch: Any = None
 ) -> list[list[Hypothesis]]:
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
@@ -131,6 +141,7 @@ def beam_search(
     `scratch` goes to the model's init_cache: a thread that searches batch after batch passes the
     same ``ScratchBuffers`` to each, so that their caches reuse one memory.
     """
+    config = config or SearchConfig()
     beam = config.beam_size
     batch = src.shape[0]
     if batch == 0:

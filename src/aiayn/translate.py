@@ -102,44 +102,50 @@ def write_translations(results: list[list[tuple[float, str]]], n_best: int, out:
         out.write("\n")
 
 
+# option -> the `decode` key it sets (each given option checked once, by the schema's rule for that key)
+OPTIONS = {"beam": "beam_size", "alpha": "length_penalty", "max_len_a": "max_len_a", "max_len_b": "max_len_b",
+           "tokens_per_batch": "tokens_per_batch", "workers": "workers", "max_source_tokens": "max_source_tokens"}
+
+
 def arguments() -> argparse.ArgumentParser:
-    """The command's options; their defaults are the `decode` section's, from the schema."""
+    """The command's options; what is left out is the `decode` section's: --config's files', else the
+    schema's defaults."""
     from aiayn.config import section_defaults
 
-    defaults = section_defaults("decode")
+    paper = section_defaults("decode")
     parser = argparse.ArgumentParser(prog="aiayn translate", description=__doc__.splitlines()[0])
     add_runtime_arguments(parser)
     parser.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order, validated once) whose `decode` section sets the defaults "
                              "of the options below: a run's own search")
-    parser.add_argument("--beam", type=int, default=defaults["beam_size"], help="beam size (paper: 4)")
-    parser.add_argument("--alpha", type=float, default=defaults["length_penalty"], help="length penalty (paper: 0.6)")
-    parser.add_argument("--n-best", type=int, default=SearchConfig().n_best, help="hypotheses per sentence")
-    parser.add_argument("--max-len-a", type=float, default=defaults["max_len_a"])
-    parser.add_argument("--max-len-b", type=int, default=defaults["max_len_b"])
-    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument, default=defaults["tokens_per_batch"],
-                        help="padded source tokens x beam per batch (auto: by device, config/README.md)")
-    parser.add_argument("--workers", type=int, default=defaults["workers"],
+    parser.add_argument("--beam", type=int, help=f"beam size (default: {paper['beam_size']}, the paper's)")
+    parser.add_argument("--alpha", type=float, help=f"length penalty (default: {paper['length_penalty']}, the paper's)")
+    parser.add_argument("--n-best", type=int, default=SearchConfig.n_best, help="hypotheses per sentence")
+    parser.add_argument("--max-len-a", type=float, help=f"default: {paper['max_len_a']:g}")
+    parser.add_argument("--max-len-b", type=int, help=f"default: {paper['max_len_b']}")
+    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument,
+                        help="padded source tokens x beam per batch (default: auto, by device, config/README.md)")
+    parser.add_argument("--workers", type=int,
                         help="CPU only: batches searched at once, each with threads / workers torch threads")
-    parser.add_argument("--max-source-tokens", type=int, default=defaults["max_source_tokens"],
-                        help="a longer input line (in BPE tokens) is refused, naming it, before any is translated")
+    parser.add_argument("--max-source-tokens", type=int,
+                        help=f"a longer input line (in BPE tokens) is refused, naming it, before any is translated "
+                             f"(default: {paper['max_source_tokens']})")
     return parser
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict]:
-    """The options, and the `decode` section they stand on: --config's files', else the schema's defaults.
-    An option given on the command line wins over the files."""
-    from aiayn.config import load_config, section_defaults
+    """The options, and the `decode` section they stand on: --config's files' (checked as they are read),
+    else the schema's defaults, with each option given on the command line in place of its key, checked
+    by the schema's rule for it."""
+    from aiayn.config import check_value, load_config, section_defaults
 
-    parser = arguments()
-    args = parser.parse_args(argv)
-    if not args.config:
-        return args, section_defaults("decode")
-    section = load_config(args.config)["decode"]
-    parser.set_defaults(beam=section["beam_size"], alpha=section["length_penalty"], max_len_a=section["max_len_a"],
-                        max_len_b=section["max_len_b"], tokens_per_batch=section["tokens_per_batch"],
-                        workers=section["workers"], max_source_tokens=section["max_source_tokens"])
-    return parser.parse_args(argv), section
+    args = arguments().parse_args(argv)
+    section = load_config(args.config)["decode"] if args.config else section_defaults("decode")
+    for option, key in OPTIONS.items():
+        value = getattr(args, option)
+        if value is not None:
+            section[key] = check_value("decode", key, value, "--" + option.replace("_", "-"))
+    return args, section
 
 
 @cli
@@ -151,15 +157,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     refuse_overwriting_inputs({"stdout": sys.stdout}, {"--model": args.model, "--spm-model": args.spm_model,
                                                        "stdin": sys.stdin})
 
-    config = SearchConfig(
-        beam_size=args.beam, length_penalty=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-        n_best=args.n_best, stop_when_beam_finished=section["stop_when_beam_finished"],
-        stop_when_best_finished=section["stop_when_best_finished"],
-    )
+    config = SearchConfig.from_section(section, n_best=args.n_best)
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
-    hypotheses = translate(model, processor, sentences, config, args.tokens_per_batch, device, progress=False,
-                           workers=args.workers, source="stdin", max_source_tokens=args.max_source_tokens)
+    hypotheses = translate(model, processor, sentences, config, section["tokens_per_batch"], device, progress=False,
+                           workers=section["workers"], source="stdin", max_source_tokens=section["max_source_tokens"])
     results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
                for sentence in hypotheses]
     write_translations(results, config.n_best, sys.stdout)

@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from aiayn import layout
-from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_preset, to_json
+from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_presets, to_json
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
 
@@ -58,7 +58,7 @@ RESULTS = f"results/{config['experiment']}"
 SRC = config["data"]["src_lang"]
 TGT = config["data"]["tgt_lang"]
 SPLITS = ["train", "dev", "test"]
-PRESETS = {name: resolve_preset(config, name) for name in config["models"]}
+PRESETS = resolve_presets(config)
 # The logs as they were before any job ran: what changed was written by this run's jobs.
 LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
 

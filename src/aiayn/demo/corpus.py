@@ -55,15 +55,20 @@ def generate_corpus(seed: int, sizes: dict[str, int]) -> dict[str, list[tuple[st
 
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
+    from aiayn.config import parse_with_config, schema_default
+
     parser = argparse.ArgumentParser(prog="aiayn demo", description="The embedded demo corpus: synthetic English -> German-like sentence pairs from a seed.")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--train", type=int, default=30000, help="pairs in the train split")
-    parser.add_argument("--dev", type=int, default=1000, help="pairs in the dev split")
-    parser.add_argument("--test", type=int, default=1000, help="pairs in the test split")
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once): their data.demo and languages")
+    demo = {key: schema_default(f"data.demo.{key}") for key in ("seed", "train", "dev", "test")}
+    parser.add_argument("--seed", type=int, default=demo["seed"])
+    for split in ("train", "dev", "test"):
+        parser.add_argument(f"--{split}", type=int, default=demo[split], help=f"pairs in the {split} split")
     parser.add_argument("--out-dir", required=True, help="folder for <split>.<lang>")
-    parser.add_argument("--src-lang", default="en", help="suffix of the English-like files")
-    parser.add_argument("--tgt-lang", default="de", help="suffix of the German-like files")
-    args = parser.parse_args(argv)
+    parser.add_argument("--src-lang", default=schema_default("data.src_lang"), help="suffix of the English-like files")
+    parser.add_argument("--tgt-lang", default=schema_default("data.tgt_lang"), help="suffix of the German-like files")
+    args, _ = parse_with_config(parser, argv, lambda config, _: {
+        **config["data"]["demo"], "src_lang": config["data"]["src_lang"], "tgt_lang": config["data"]["tgt_lang"]})
     if args.src_lang == args.tgt_lang:
         raise UserError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they must differ")
     corpus = generate_corpus(args.seed, {"train": args.train, "dev": args.dev, "test": args.test})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import check_resolved_preset, check_section, load_config, resolve_preset, schema_default
+from aiayn.config import check_resolved_preset, check_section, check_value, load_config, resolve_preset, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.writing import (missing_folders, refuse_overwriting_inputs, remove_empty_folders, remove_stale_temporaries_in)
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY, RUN_LOCK
@@ -205,9 +205,7 @@ def main(argv=None):
     preset, train_section, experiment = _settings(args)
     args.experiment = args.experiment or experiment
     if args.log_every is not None:
-        if args.log_every < 1:
-            raise UserError(f"--log-every {args.log_every} must be at least 1")
-        train_section = check_section("train", {**train_section, "log_every": args.log_every}, "--log-every")
+        train_section["log_every"] = check_value("train", "log_every", args.log_every, "--log-every")
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},

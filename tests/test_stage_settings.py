@@ -1,0 +1,189 @@
+"""How a stage command receives its settings: every command takes ``--config FILE...`` (the stages the
+Snakefile runs also take its JSON), a value is checked once, by the schema's rule for it, where it enters
+the process, and the search's defaults are the schema's, read and not written again."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from aiayn import cli
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_takes_config_files(command):
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+        module.main(["--help"])
+    assert "--config FILE" in shown.getvalue()
+
+
+def test_the_search_defaults_are_the_schemas_read_where_they_are_used():
+    """A schema with other decode defaults gives other defaults everywhere: nothing holds its own copy."""
+    code = """
+import aiayn.config as config
+decode = config._parsed_schema()["properties"]["decode"]["properties"]
+decode["beam_size"]["default"], decode["length_penalty"]["default"] = 7, 0.9
+decode["stop_when_beam_finished"]["default"], decode["tokens_per_batch"]["default"] = True, 1234
+decode["workers"]["default"] = 3
+from aiayn.decode import resolve_tokens_per_batch, search_batches
+from aiayn.search import SearchConfig
+from aiayn.translate import arguments
+paper = SearchConfig()
+print(paper.beam_size, paper.length_penalty, paper.stop_when_beam_finished, resolve_tokens_per_batch(None, "cpu"))
+print(arguments().format_help().replace("\\n", " "))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, help_text = done.stdout.split("\n", 1)
+    assert first.split() == ["7", "0.9", "True", "1234"]
+    assert "default: 7, the paper's" in " ".join(help_text.split())
+
+
+def spy_on_checks(monkeypatch) -> list[str]:
+    """The keys of every section value the schema checks from now on, in order."""
+    import aiayn.config as config
+
+    checked: list[str] = []
+    real = config._validator
+
+    def validator(schema):
+        inner = real(schema)
+
+        class Counting:
+            def iter_errors(self, values):
+                checked.extend(values if isinstance(values, dict) else [])
+                return inner.iter_errors(values)
+        return Counting()
+
+    monkeypatch.setattr(config, "_validator", validator)
+    return checked
+
+
+def test_decode_checks_each_setting_once_where_it_enters(monkeypatch, tmp_path, capsys):
+    """The rule's JSON (without the runtime-only keys, as output_settings passes it) and the options passed
+    apart: each value is checked once, and the typed settings built from them are not checked again."""
+    from aiayn.config import section_defaults
+    from aiayn.decode import main
+
+    checked = spy_on_checks(monkeypatch)
+    section = {key: value for key, value in section_defaults("decode").items()
+               if key not in ("workers", "max_source_tokens")}
+    (tmp_path / "in.en").write_text("a b\n")
+    status = main(["--decode-json", json.dumps(section), "--workers", "2", "--max-source-tokens", "99",
+                   "--model", str(tmp_path / "missing.pt"), "--spm-model", str(tmp_path / "missing.model"),
+                   "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "out.de")])
+    assert status == 2 and "not found" in capsys.readouterr().err  # stopped at the model, after the settings
+    assert sorted(checked) == sorted([*section, "workers", "max_source_tokens"])
+
+
+def test_a_config_number_that_is_not_finite_is_refused_naming_the_file(tmp_path):
+    from aiayn.config import load_config
+    from aiayn.errors import UserError
+
+    config = write(tmp_path / "c.yaml", "models: [base]\ntrain: {max_minutes: .inf}\n")
+    with pytest.raises(UserError, match=r"c\.yaml: train\.max_minutes = inf is not a finite number"):
+        load_config([config])
+
+
+def test_an_option_given_apart_is_blamed_by_its_own_name(tmp_path, capsys):
+    from aiayn.decode import main
+
+    (tmp_path / "in.en").write_text("a b\n")
+    status = main(["--decode-json", "{}", "--workers", "0", "--model", "m.pt", "--spm-model", "s.model",
+                   "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "out.de")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: --workers: decode.workers = 0") and "Traceback" not in err
+
+
+def test_a_search_config_is_checked_by_the_schemas_rules_unless_built_from_a_checked_section(monkeypatch):
+    from aiayn.config import section_defaults
+    from aiayn.errors import UserError
+    from aiayn.search import SEARCH_KEYS, SearchConfig
+
+    with pytest.raises(UserError, match=r"decode\.length_penalty = -1"):
+        SearchConfig(length_penalty=-1)  # the schema's minimum: 0
+    with pytest.raises(UserError, match=r"decode\.length_penalty = nan is not a finite number"):
+        SearchConfig(length_penalty=float("nan"))  # which passes JSON Schema's own type and bounds
+    section = section_defaults("decode")
+    checked = spy_on_checks(monkeypatch)
+    assert SearchConfig.from_section(section, n_best=2) == SearchConfig(n_best=2)
+    assert sorted(checked) == sorted(SEARCH_KEYS)  # the second one's check alone
+
+
+# --- the commands that gained --config ------------------------------------------------------------------
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_score_takes_the_target_language_from_config_files_and_the_option_wins(tmp_path, capsys):
+    from aiayn.score import main
+
+    hyp, ref = write(tmp_path / "hyp.fr", "le chat .\n"), write(tmp_path / "ref.fr", "le chat .\n")
+    config = write(tmp_path / "fr.yaml", "data: {src_lang: en, tgt_lang: fr}\nmodels: [base]\n")
+    assert main(["--hyp", hyp, "--ref", ref, "--json", "--config", config]) == 0
+    assert "-l fr " in json.loads(capsys.readouterr().out)["bleu_tok_method"]
+    assert main(["--hyp", hyp, "--ref", ref, "--json", "--config", config, "--lang", "de"]) == 0
+    assert "-l de " in json.loads(capsys.readouterr().out)["bleu_tok_method"]
+
+
+def test_average_takes_average_last_from_the_configs_preset(tmp_path, capsys):
+    from test_average import write_checkpoint
+
+    from aiayn.average import main
+
+    run = tmp_path / "checkpoints"
+    run.mkdir()
+    for step in (100, 200, 300, 400):
+        write_checkpoint(run / f"step_{step:08d}.pt", step)
+    config = write(tmp_path / "c.yaml", "models: [mine]\npresets:\n  mine: {inherit: base, average_last: 3}\n")
+    output = tmp_path / "model.pt"
+    assert main(["--config", config, "--checkpoint-dir", str(run), "--output", str(output)]) == 0
+    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [200, 300, 400]
+    two = write(tmp_path / "two.yaml", "models: [mine, other]\npresets:\n  mine: {inherit: base, average_last: 3}\n"
+                                       "  other: {inherit: base, average_last: 2}\n")
+    assert main(["--config", two, "--preset", "other", "--checkpoint-dir", str(run), "--output", str(output)]) == 0
+    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [300, 400]
+    assert main(["--config", two, "--preset", "other", "--last", "3", "--checkpoint-dir", str(run),
+                 "--output", str(output)]) == 0  # an option given beside the files wins
+    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [200, 300, 400]
+    capsys.readouterr()
+    assert main(["--config", two, "--checkpoint-dir", str(run), "--output", str(output)]) == 2
+    assert "--preset" in capsys.readouterr().err
+    assert main(["--preset", "base", "--checkpoint-dir", str(run), "--last", "2", "--output", str(output)]) == 2
+    assert "--config" in capsys.readouterr().err
+
+
+def test_compare_takes_the_experiment_and_store_from_config_files(tmp_path, capsys, monkeypatch):
+    from aiayn.compare import main
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    MlflowClient(f"sqlite:///{tmp_path}/m.db").search_experiments()  # an empty store
+    config = write(tmp_path / "c.yaml", f"experiment: mine\ntracking_uri: sqlite:///{tmp_path}/m.db\n"
+                                        "models: [base]\n")
+    assert main(["--config", config]) == 2  # the store and the experiment the files name
+    assert f"no MLflow experiment 'mine' at sqlite:///{tmp_path}/m.db" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "--experiment" in capsys.readouterr().err
+
+
+def test_demo_takes_its_sizes_and_languages_from_config_files(tmp_path):
+    from aiayn.demo.corpus import main
+
+    config = write(tmp_path / "c.yaml", "data: {src_lang: fr, tgt_lang: it, demo: {train: 7, dev: 2, test: 3}}\n"
+                                        "models: [base]\n")
+    assert main(["--config", config, "--out-dir", str(tmp_path / "out"), "--test", "4"]) == 0
+    lines = {path.name: len(path.read_text().splitlines()) for path in (tmp_path / "out").iterdir()}
+    assert lines == {"train.fr": 7, "train.it": 7, "dev.fr": 2, "dev.it": 2, "test.fr": 4, "test.it": 4}
