@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from aiayn.batching import length_sorted_batches  # noqa: E402
 from aiayn.decode import search_batches  # noqa: E402
 from aiayn.model import ModelConfig, Transformer  # noqa: E402
-from aiayn.search import SearchConfig  # noqa: E402
+from aiayn.search import SearchConfig, paper_search  # noqa: E402
 from aiayn.speed.incremental import InferenceModel  # noqa: E402
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 
@@ -100,9 +100,9 @@ def main(argv=None) -> int:
     parser.add_argument("--d-ff", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=6, help="encoder layers and decoder layers, each")
-    parser.add_argument("--beam", type=int, default=SearchConfig.beam_size,
+    parser.add_argument("--beam", type=int, default=paper_search()["beam_size"],
                         help="default: the schema's decode.beam_size")
-    parser.add_argument("--alpha", type=float, default=SearchConfig.length_penalty)
+    parser.add_argument("--alpha", type=float, default=paper_search()["length_penalty"])
     parser.add_argument("--tokens-per-batch", type=int, default=8000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2,

@@ -51,7 +51,7 @@ from aiayn.decode import hypothesis_text, translate  # noqa: E402
 from aiayn.export import export_ctranslate2  # noqa: E402
 from aiayn.reading import read_lines
 from aiayn.speed.incremental import InferenceModel, RowCounting  # noqa: E402
-from aiayn.search import SearchConfig  # noqa: E402
+from aiayn.search import SearchConfig, paper_search  # noqa: E402
 from aiayn.tokens import BOS_ID, PAD_ID  # noqa: E402
 
 
@@ -121,9 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sentences", type=int, default=300, help="the first N of --input (0: all)")
     parser.add_argument("--long", type=int, default=100, help="long sentences made from --input (0: none)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--beam", type=int, default=SearchConfig.beam_size,
+    parser.add_argument("--beam", type=int, default=paper_search()["beam_size"],
                         help="default: the schema's decode.beam_size")
-    parser.add_argument("--alpha", type=float, default=SearchConfig.length_penalty)
+    parser.add_argument("--alpha", type=float, default=paper_search()["length_penalty"])
     parser.add_argument("--tokens-per-batch", type=int, default=8000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)

@@ -35,7 +35,7 @@ from decode_cpu import NeverEnding  # bench/ is this script's folder; torch-only
 from aiayn.batching import length_sorted_batches
 from aiayn.decode import resolve_tokens_per_batch
 from aiayn.model import ModelConfig, Transformer
-from aiayn.search import SearchConfig, beam_search
+from aiayn.search import SearchConfig, beam_search, paper_search
 from aiayn.tokens import EOS_ID, PAD_ID
 
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--d-ff", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--beam", type=int, default=SearchConfig.beam_size,
+    parser.add_argument("--beam", type=int, default=paper_search()["beam_size"],
                         help="default: the schema's decode.beam_size")
     parser.add_argument("--tokens-per-batch", type=int, default=None,
                         help="padded source tokens x beam per batch (default: the decode stage's auto for the device)")

@@ -179,7 +179,7 @@ def test_every_code_default_equals_the_schemas():
     from aiayn.translate import _parse
 
     decode = section_defaults("decode")
-    search_defaults = {field.name: field.default for field in dataclasses.fields(SearchConfig)}
+    search_defaults = dataclasses.asdict(SearchConfig())
     shared = set(search_defaults) & set(decode)
     assert shared == {"beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished",
                       "stop_when_best_finished"}
@@ -343,8 +343,9 @@ def test_code_defaults_come_from_the_schema(tmp_path):
     assert {key: info[key] for key in ("input_sentence_size", "character_coverage", "seed")} == {
         key: schema_default(f"bpe.{key}") for key in ("input_sentence_size", "character_coverage", "seed")}
     greedy = inspect.signature(greedy_search).parameters
+    # left out, the schema's (aiayn.search.paper_search; tests/test_stage_settings.py changes the schema)
     assert (greedy["max_len_a"].default, greedy["max_len_b"].default, greedy["length_penalty_alpha"].default) == (
-        schema_default("decode.max_len_a"), schema_default("decode.max_len_b"), schema_default("decode.length_penalty"))
+        None, None, None)
 
 
 # --- every stage reads config files the same way: train too ----------------------------------------------

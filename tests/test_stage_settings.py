@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -33,18 +34,20 @@ import aiayn.config as config
 decode = config._parsed_schema()["properties"]["decode"]["properties"]
 decode["beam_size"]["default"], decode["length_penalty"]["default"] = 7, 0.9
 decode["stop_when_beam_finished"]["default"], decode["tokens_per_batch"]["default"] = True, 1234
-decode["workers"]["default"] = 3
+decode["workers"]["default"], decode["max_len_b"]["default"] = 3, 11
 from aiayn.decode import resolve_tokens_per_batch, search_batches
 from aiayn.search import SearchConfig
 from aiayn.translate import arguments
+from aiayn.search import paper_search
 paper = SearchConfig()
-print(paper.beam_size, paper.length_penalty, paper.stop_when_beam_finished, resolve_tokens_per_batch(None, "cpu"))
+print(paper.beam_size, paper.length_penalty, paper.stop_when_beam_finished, resolve_tokens_per_batch(None, "cpu"),
+      paper_search()["max_len_b"])
 print(arguments().format_help().replace("\\n", " "))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     first, help_text = done.stdout.split("\n", 1)
-    assert first.split() == ["7", "0.9", "True", "1234"]
+    assert first.split() == ["7", "0.9", "True", "1234", "11"]  # 11: greedy_search's too
     assert "default: 7, the paper's" in " ".join(help_text.split())
 
 
@@ -175,6 +178,7 @@ def test_compare_takes_the_experiment_and_store_from_config_files(tmp_path, caps
                                         "models: [base]\n")
     assert main(["--config", config]) == 2  # the store and the experiment the files name
     assert f"no MLflow experiment 'mine' at sqlite:///{tmp_path}/m.db" in capsys.readouterr().err
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the store it read does not become every later run's
     assert main([]) == 2
     assert "--experiment" in capsys.readouterr().err
 

@@ -65,10 +65,10 @@ def compare_runs(experiment: str, tracking_uri: str | None = None, latest_only: 
 
     import mlflow
 
-    from aiayn.tracking import limit_http_retries
+    from aiayn.tracking import limit_http_retries, set_global_tracking_uri
 
     limit_http_retries()
-    mlflow.set_tracking_uri(uri)
+    set_global_tracking_uri(uri)  # not exported to the environment, where it would win over later runs' URIs
     try:
         found = mlflow.get_experiment_by_name(experiment)
     except Exception as error:

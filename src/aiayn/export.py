@@ -30,7 +30,7 @@ from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.config import parse_with_config
 from aiayn.errors import UserError, cli
 from aiayn.model import Transformer, sinusoid_table
-from aiayn.search import SearchConfig
+from aiayn.search import paper_search
 
 FORMATS = ("ctranslate2", "huggingface")
 # CTranslate2 4.8's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES).
@@ -272,7 +272,7 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
     marian.generation_config = GenerationConfig(
         decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=positions,
-        num_beams=beam_size or SearchConfig.beam_size,  # as `aiayn decode` searches: decode.beam_size
+        num_beams=beam_size or paper_search()["beam_size"],  # as `aiayn decode` searches: decode.beam_size
     )
     with atomic_path(out_dir, directory=True) as tmp:
         marian.save_pretrained(tmp)

@@ -16,8 +16,9 @@ rules, its state, and the greedy reference decoder.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Mapping, Protocol
 
 import torch
@@ -33,7 +34,17 @@ from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 # The schema's `decode` keys that are the search's own (the rest say how the decode stage feeds it).
 SEARCH_KEYS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished",
                "stop_when_best_finished")
-_PAPER = {key: schema_default(f"decode.{key}") for key in SEARCH_KEYS}  # the schema, the one home of defaults
+
+
+@functools.lru_cache(maxsize=1)
+def paper_search() -> dict:
+    """The schema's defaults of SEARCH_KEYS, the one home of the paper's search settings. Read when a
+    SearchConfig is first made, not at import: this module imports with torch alone."""
+    return {key: schema_default(f"decode.{key}") for key in SEARCH_KEYS}
+
+
+def _paper(key: str):
+    return field(default_factory=lambda: paper_search()[key])
 
 
 @dataclass(frozen=True)
@@ -42,15 +53,15 @@ class SearchConfig:
     docs/PAPER.md "Inference"). A value is checked by the schema's rules once, where it enters: built
     here (the Python API), or from a section the config reader checked already (``from_section``)."""
 
-    beam_size: int = _PAPER["beam_size"]
-    length_penalty: float = _PAPER["length_penalty"]  # alpha of GNMT's ((5 + length) / 6) ** alpha
-    max_len_a: float = _PAPER["max_len_a"]  # an output has at most floor(max_len_a * source + max_len_b) tokens
-    max_len_b: int = _PAPER["max_len_b"]
+    beam_size: int = _paper("beam_size")
+    length_penalty: float = _paper("length_penalty")  # alpha of GNMT's ((5 + length) / 6) ** alpha
+    max_len_a: float = _paper("max_len_a")  # an output has at most floor(max_len_a * source + max_len_b) tokens
+    max_len_b: int = _paper("max_len_b")
     # also stop once beam_size hypotheses have finished (fairseq's rule)
-    stop_when_beam_finished: bool = _PAPER["stop_when_beam_finished"]
+    stop_when_beam_finished: bool = _paper("stop_when_beam_finished")
     # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
     # early exit; ``search_ends``)
-    stop_when_best_finished: bool = _PAPER["stop_when_best_finished"]
+    stop_when_best_finished: bool = _paper("stop_when_best_finished")
     # Of the Python API alone (the decode stage writes the best of each sentence and always stops early):
     n_best: int = 1  # hypotheses returned per sentence, best first
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
@@ -385,13 +396,18 @@ def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[
 
 @torch.no_grad()
 def greedy_search(
-    model: SearchModel, src: Tensor, max_len_a: float = SearchConfig.max_len_a,
-    max_len_b: int = SearchConfig.max_len_b, length_penalty_alpha: float = SearchConfig.length_penalty
+    model: SearchModel, src: Tensor, max_len_a: float | None = None, max_len_b: int | None = None,
+    length_penalty_alpha: float | None = None
 ) -> list[Hypothesis]:
-    """The reference decoder: the most probable next token at every step, with the same cache and limits.
+    """The reference decoder: the most probable next token at every step, with the same cache and limits
+    (those left out: the schema's, as SearchConfig's).
 
     Beam search with beam_size 1 returns exactly this (the tests hold it to that).
     """
+    paper = paper_search()
+    max_len_a = paper["max_len_a"] if max_len_a is None else max_len_a
+    max_len_b = paper["max_len_b"] if max_len_b is None else max_len_b
+    length_penalty_alpha = paper["length_penalty"] if length_penalty_alpha is None else length_penalty_alpha
     batch = src.shape[0]
     max_lens = _output_lengths(model, src, max_len_a, max_len_b).to(src.device)
     longest = int(max_lens.max())
