@@ -80,7 +80,7 @@ def main() -> None:
         run("aiayn", "average", *(str(kept[step]) for step in steps), "--output", str(model))
         rows.append((f"{args.count} over the last {share:.0%}", " ".join(map(str, steps)),
                      test_bleu(model, args.results, args.config, out / f"share_{share:g}")))
-    print(f"| averaged | steps | test sacreBLEU | - last |\n|---|---|---|---|")
+    print("| averaged | steps | test sacreBLEU | - last |\n|---|---|---|---|")
     for name, steps, bleu in rows:
         print(f"| {name} | {steps} | {bleu:.2f} | {bleu - rows[0][2]:+.2f} |")
 

@@ -207,7 +207,7 @@ def _config_defaults(config: dict, args: argparse.Namespace) -> dict:
                 "tracking_uri": config["tracking_uri"]}
     name = args.preset or (config["models"][0] if len(config["models"]) == 1 else None)
     if name is not None:
-        defaults["last"] = resolve_preset(config, name, [str(path) for path in args.config])["average_last"]
+        defaults["last"] = resolve_preset(config, name, args.config)["average_last"]
     elif args.last is None and args.checkpoint_dir is not None:
         raise UserError(f"--config: the config has {len(config['models'])} models; name the run's with --preset "
                         f"(one of {', '.join(config['models'])}), or give --last K")

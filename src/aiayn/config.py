@@ -399,10 +399,19 @@ def check_value(section: str, key: str, value: Any, source: str) -> Any:
     return value
 
 
+def with_options(section: str, values: dict, options: dict | None) -> dict:
+    """A checked section with the command-line options given beside it in place of their keys: ``options``
+    maps key -> (option, value), value None for an option not given; each given value is checked alone,
+    by the schema's rule for its key, with the option named."""
+    for key, (option, value) in (options or {}).items():
+        if value is not None:
+            values[key] = check_value(section, key, value, option)
+    return values
+
+
 def section_from_arguments(args, section: str, overrides: dict | None = None) -> dict:
     """The section from --<section>-json (checked, defaults filled) or from --config files, each value
-    checked once: ``overrides`` (key -> (option, value), value None for an option not given) replace the
-    section's values after the one check of each, by the schema's rule, with the option named."""
+    checked once, with ``overrides`` in place of their keys (``with_options``)."""
     if args.section_json is not None:
         try:
             values = json.loads(args.section_json)
@@ -411,7 +420,4 @@ def section_from_arguments(args, section: str, overrides: dict | None = None) ->
         values = check_section(section, values, f"--{section}-json")
     else:
         values = load_config(args.config)[section]
-    for key, (option, value) in (overrides or {}).items():
-        if value is not None:
-            values[key] = check_value(section, key, value, option)
-    return values
+    return with_options(section, values, overrides)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.config import check_section, schema_default
+from aiayn.config import check_section, section_defaults
 from aiayn.errors import UserError
 from aiayn.speed.search_steps import next_rows, reads_are_free, stable_slots, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
@@ -40,7 +40,8 @@ SEARCH_KEYS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_wh
 def paper_search() -> dict:
     """The schema's defaults of SEARCH_KEYS, the one home of the paper's search settings. Read when a
     SearchConfig is first made, not at import: this module imports with torch alone."""
-    return {key: schema_default(f"decode.{key}") for key in SEARCH_KEYS}
+    paper = section_defaults("decode")
+    return {key: paper[key] for key in SEARCH_KEYS}
 
 
 def _paper(key: str):
@@ -80,7 +81,7 @@ class SearchConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SearchConfig:
-        """From keyword values, unchecked (the Python API): unknown keys are named."""
+        """From keyword values (the Python API), checked as one built here is; unknown keys are named."""
         known = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known))
         if unknown:

@@ -137,15 +137,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict]:
     """The options, and the `decode` section they stand on: --config's files' (checked as they are read),
     else the schema's defaults, with each option given on the command line in place of its key, checked
     by the schema's rule for it."""
-    from aiayn.config import check_value, load_config, section_defaults
+    from aiayn.config import load_config, section_defaults, with_options
 
     args = arguments().parse_args(argv)
     section = load_config(args.config)["decode"] if args.config else section_defaults("decode")
-    for option, key in OPTIONS.items():
-        value = getattr(args, option)
-        if value is not None:
-            section[key] = check_value("decode", key, value, "--" + option.replace("_", "-"))
-    return args, section
+    return args, with_options("decode", section, {
+        key: ("--" + option.replace("_", "-"), getattr(args, option)) for option, key in OPTIONS.items()})
 
 
 @cli
