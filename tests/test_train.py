@@ -166,7 +166,8 @@ def test_the_mlflow_run_holds_config_fingerprints_and_metrics(prepared, tmp_path
     for tag in ("git_commit", "data_fingerprint", "vocab_fingerprint", "device", "preset"):
         assert tags[tag], tag
     for metric in ("train_loss", "train_nll", "train_ppl", "lr", "grad_norm", "target_tokens_per_second",
-                   "padding_efficiency", "train_flops", "dev_loss", "dev_ppl"):
+                   "padding_efficiency", "train_flops", "dev_loss", "dev_ppl", "distinct_shapes",
+                   "new_shape_seconds"):
         assert metric in run.data.metrics, metric
     assert (run.info.run_name, tags["attempt"]) == ("tiny-seed1-a1", "1")
     rerun = train(job(prepared, tmp_path / "rerun", track=True, tracking_uri=uri, steps=2))
@@ -175,6 +176,28 @@ def test_the_mlflow_run_holds_config_fingerprints_and_metrics(prepared, tmp_path
     assert [m.step for m in history] == [2, 4, 6]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert any("dev_ppl" in json.loads(line) for line in lines)
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_a_run_counts_its_distinct_micro_batch_shapes_and_the_seconds_of_the_steps_that_met_them(prepared, tmp_path,
+                                                                                                 buckets):
+    from types import SimpleNamespace
+
+    from aiayn.binarize import load_split
+    from aiayn.train.steps import Progress, StepSource, TrainSettings
+
+    summary = train(job(prepared, tmp_path / "run", train={"shape_buckets": buckets}))
+    written = json.loads((tmp_path / "run" / "final.json").read_text())
+    # the shapes of the same steps, drawn as the trainer draws them
+    split = load_split(prepared / "bin" / "train")
+    settings = TrainSettings.from_config(tiny_preset(), {**TRAIN_SECTION, "shape_buckets": buckets}, seed=1)
+    source, progress, shapes = StepSource(split, settings), Progress(), set()
+    for _ in range(summary["step"]):
+        shapes.update(source.next(progress)[1].shapes)
+    assert written["distinct_shapes"] == len(shapes) >= 1
+    assert 1 <= written["new_shape_steps"] <= summary["step"] and written["new_shape_seconds"] > 0
+    if buckets:  # each side's computed length + 1 has at most 4 significant bits
+        assert all(bin(size)[2:][4:].strip("0") == "" for shape in shapes for size in shape[1:])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -439,7 +462,7 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
     from torch._dynamo.utils import counters
 
     import aiayn.train.hardware
-    import aiayn.train.trainer
+    import aiayn.train.steps
     from aiayn.batching import padded_to_multiple
 
     monkeypatch.setattr(aiayn.train.hardware, "COMPILE_BACKEND", "aot_eager")  # traced as inductor would, nothing built
@@ -451,7 +474,7 @@ def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_s
         shapes.append((*padded.src.shape, padded.tgt_in.shape[1]))
         return padded
 
-    monkeypatch.setattr(aiayn.train.trainer, "padded_to_multiple", recorded)
+    monkeypatch.setattr(aiayn.train.steps, "padded_to_multiple", recorded)
     torch._dynamo.reset()
     counters.clear()
     summary = train(job(prepared, tmp_path / "run", steps=12, train={"compile": True, "dev_every": 0}))

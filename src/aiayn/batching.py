@@ -136,25 +136,34 @@ def collate(split, rows: np.ndarray) -> Batch:
 
 def padded_to_multiple(batch: Batch, multiple: int) -> Batch:
     """The batch with its rows and both lengths rounded up to multiples of ``multiple``: for
-    torch.compile, few distinct shapes and none of size 1 (which it would compile a graph for).
+    torch.compile, few distinct shapes and none of size 1 (which it would compile a graph for)."""
+    rows, src_len = batch.src.shape
+
+    def up(size: int) -> int:
+        return -(-size // multiple) * multiple
+
+    return padded_to_shape(batch, up(rows), up(src_len), up(batch.tgt_in.shape[1]))
+
+
+def padded_to_shape(batch: Batch, rows: int, src_len: int, tgt_len: int) -> Batch:
+    """The batch grown to (rows, src_len) and (rows, tgt_len), each at least the batch's own size.
 
     Added positions are pads, masked as any other; an added row is a source of one eos (a source of
     pads alone would leave attention nothing to attend to) and a target of pads. The loss counts only
     non-pad targets, so it does not change, and nothing flows back from the added rows.
     """
-    rows, src_len = batch.src.shape
-    tgt_len = batch.tgt_in.shape[1]
-
-    def up(size: int) -> int:
-        return -(-size // multiple) * multiple
+    own_rows, own_src = batch.src.shape
+    own_tgt = batch.tgt_in.shape[1]
+    if (rows, src_len, tgt_len) == (own_rows, own_src, own_tgt):
+        return batch
 
     def grown(ids: torch.Tensor, length: int) -> torch.Tensor:
-        out = ids.new_full((up(rows), up(length)), PAD_ID)
-        out[:rows, :length] = ids
+        out = ids.new_full((rows, length), PAD_ID)
+        out[:ids.shape[0], :ids.shape[1]] = ids
         return out
 
     src = grown(batch.src, src_len)
-    src[rows:, 0] = EOS_ID
+    src[own_rows:, 0] = EOS_ID
     return Batch(src, grown(batch.tgt_in, tgt_len), grown(batch.tgt_out, tgt_len), batch.src_tokens,
                  batch.tgt_tokens)
 
@@ -243,11 +252,17 @@ class StepShape:
     real_tgt: int      # target tokens predicted: each sentence + eos
     padded_src: int    # positions computed, summed over the micro-batches
     padded_tgt: int
-    shapes: tuple      # (rows, src_len, tgt_len) of each micro-batch, for FLOPs
+    shapes: tuple      # (rows, src_len, tgt_len) of each micro-batch as computed, for FLOPs
 
     @classmethod
-    def of(cls, src_lengths: np.ndarray, tgt_lengths: np.ndarray, micro: list[np.ndarray]) -> "StepShape":
-        shapes = tuple((len(rows), int(src_lengths[rows].max()) + 1, int(tgt_lengths[rows].max()) + 1)
+    def of(cls, src_lengths: np.ndarray, tgt_lengths: np.ndarray, micro: list[np.ndarray],
+           padded_lengths: tuple[np.ndarray, np.ndarray] | None = None) -> "StepShape":
+        """``padded_lengths``: the (source, target) lengths that a micro-batch is padded to (bucketed,
+        ``aiayn.speed.shapes``), and then every micro-batch also to the step's most rows; by default each
+        is padded to its longest sentence alone."""
+        src_cut, tgt_cut = padded_lengths or (src_lengths, tgt_lengths)
+        rows_of = (lambda rows: max(len(part) for part in micro)) if padded_lengths else len
+        shapes = tuple((rows_of(rows), int(src_cut[rows].max()) + 1, int(tgt_cut[rows].max()) + 1)
                        for rows in micro)
         return cls(real_src=int(sum(int(src_lengths[rows].sum()) + len(rows) for rows in micro)),
                    real_tgt=int(sum(int(tgt_lengths[rows].sum()) + len(rows) for rows in micro)),

@@ -78,19 +78,50 @@ def resolved_precision(precision: str, device: torch.device) -> str:
     return "fp32"
 
 
+# train.attention: the CUDA kernels SDPA may use, in the order it tries them (bench/gpu.sh times each)
+ATTENTION_KERNELS = {
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "math": [SDPBackend.MATH],
+}
+
+
+def attention_kernels(name: str, device: torch.device | str = "cuda"):
+    """A context in which SDPA on ``device`` chooses among train.attention's kernels: flash serves the
+    unmasked causal self-attention and needs another for masked keys; ``auto`` and the CPU are left to
+    torch (the CPU's own choice is ``autocast_context``'s)."""
+    if name == "auto" or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(ATTENTION_KERNELS[name], set_priority=True)
+
+
 @contextlib.contextmanager
-def autocast_context(device: torch.device, precision: str):
+def autocast_context(device: torch.device, precision: str, attention: str = "auto"):
     """bf16 autocast where ``resolved_precision`` says bf16. On the CPU also SDPA's math kernel: torch's
     CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above all),
     which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The trainer's
     own model attends in bf16 there without SDPA (aiayn.speed.cpu_attention); this serves any other model
-    (bench/train_cpu.py's peer)."""
+    (bench/train_cpu.py's peer). On CUDA, SDPA's kernels are train.attention's (``attention_kernels``)."""
+    kernels = attention_kernels(attention, device)
     if resolved_precision(precision, device) != "bf16":
-        yield
+        with kernels:
+            yield
         return
-    attention = sdpa_kernel(SDPBackend.MATH) if device.type == "cpu" else contextlib.nullcontext()
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), attention:
+    cpu_math = sdpa_kernel(SDPBackend.MATH) if device.type == "cpu" else contextlib.nullcontext()
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), cpu_math, kernels:
         yield
+
+
+def loss_chunk_tokens(device: torch.device, vocab_size: int, tokens: int) -> int | None:
+    """Target tokens per chunk of the output projection and loss (aiayn.loss): on a GPU the micro-batch's
+    ``tokens`` in one chunk where an eighth of the free device memory holds their fp32 log-probabilities
+    twice over (fewer, larger products and no loop), else as many as it holds; on the CPU the loss's
+    own default (None)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(tokens, free // 8 // (8 * vocab_size)))
 
 
 def model_for_training(config: ModelConfig, device: torch.device) -> Transformer:

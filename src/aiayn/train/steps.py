@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from aiayn.batching import StepShape, collate, length_batches, split_step, step_batches
-from aiayn.config import preset_default
+from aiayn.batching import (Batch, StepShape, collate, length_batches, padded_to_multiple, padded_to_shape, split_step,
+                            step_batches)
+from aiayn.config import preset_default, schema_default
 from aiayn.errors import UserError
 from aiayn.loss import teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
-from aiayn.train.hardware import autocast_context
+from aiayn.speed.shapes import bucketed_lengths
+from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,13 @@ class TrainSettings:
     compile: bool
     precision: str
     seed: int
+    shape_buckets: bool = False  # steps cut on bucketed lengths (aiayn.speed.shapes): train.shape_buckets here
+    attention: str = "auto"
 
     @classmethod
-    def from_config(cls, preset: dict, train: dict, seed: int) -> "TrainSettings":
+    def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None) -> "TrainSettings":
+        """``device``: where the run trains, which ``auto`` settings depend on (the CPU without one)."""
+        buckets = train.get("shape_buckets", schema_default("train.shape_buckets"))
         return cls(
             steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset["lr_scale"],
             label_smoothing=preset["label_smoothing"], tokens_per_step=train["tokens_per_step"],
@@ -63,13 +69,15 @@ class TrainSettings:
             max_minutes=preset["max_minutes"] if "max_minutes" in preset else train["max_minutes"],
             log_every=train["log_every"], dev_every=train["dev_every"], compile=train["compile"],
             precision=train["precision"], seed=seed,
+            shape_buckets=buckets is True or (buckets == "auto" and device is not None and device.type == "cuda"),
+            attention=train.get("attention", schema_default("train.attention")),
         )
 
 
     def batch_rule(self) -> dict:
         """What fixes the batches and their order: a resumed run must find the same."""
         return {"tokens_per_step": self.tokens_per_step, "device_tokens": self.device_tokens,
-                "gpus": self.layout, "seed": self.seed}
+                "gpus": self.layout, "seed": self.seed, "shape_buckets": self.shape_buckets}
 
 
 @dataclass
@@ -88,6 +96,14 @@ class Progress:
     padded_target_tokens: int = 0
     dev_history: list = field(default_factory=list)
     window_clock: float | None = None  # wall_seconds when a budgeted run last decided a window checkpoint
+    distinct_shapes: int = 0      # micro-batch shapes met for the first time by a process (aiayn.speed.shapes)
+    new_shape_steps: int = 0      # steps that met one
+    new_shape_seconds: float = 0.0  # and their seconds
+
+    def shape_costs(self) -> dict[str, float]:
+        """What first-seen shapes cost so far (aiayn.speed.shapes.ShapeLog), for final.json and MLflow."""
+        return {"distinct_shapes": self.distinct_shapes, "new_shape_steps": self.new_shape_steps,
+                "new_shape_seconds": self.new_shape_seconds}
 
     def per_step(self) -> dict[str, float]:
         """Mean tokens of one optimizer step so far: what the run really trained on."""
@@ -111,15 +127,18 @@ class StepSource:
     """The micro-batches of each optimizer step, in order, from (seed, epoch, cursor) alone."""
 
     def __init__(self, split, settings: TrainSettings):
+        self.split = split
         self.src_lengths, self.tgt_lengths = split.src_lengths, split.tgt_lengths  # computed once
+        # what the step cut sees: the lengths, or with shape buckets their bucketed sizes
+        self.cut = ((bucketed_lengths(self.src_lengths), bucketed_lengths(self.tgt_lengths))
+                    if settings.shape_buckets else (self.src_lengths, self.tgt_lengths))
         self.settings = settings
         self._epoch, self._steps = None, []
 
     def steps_of(self, epoch: int) -> list[np.ndarray]:
         if epoch != self._epoch:
             self._epoch = epoch
-            self._steps = step_batches(self.src_lengths, self.tgt_lengths, self.settings.tokens_per_step,
-                                       self.settings.seed, epoch)
+            self._steps = step_batches(*self.cut, self.settings.tokens_per_step, self.settings.seed, epoch)
         return self._steps
 
     def next(self, progress: Progress) -> tuple[list[np.ndarray], StepShape]:
@@ -129,9 +148,20 @@ class StepSource:
             progress.cursor = 0
         rows = self.steps_of(progress.epoch)[progress.cursor]
         progress.cursor += 1
-        micro = split_step(self.src_lengths, self.tgt_lengths, rows, self.settings.device_tokens,
-                           self.settings.layout)
-        return micro, StepShape.of(self.src_lengths, self.tgt_lengths, micro)
+        micro = split_step(*self.cut, rows, self.settings.device_tokens, self.settings.layout)
+        padded = self.cut if self.settings.shape_buckets else None
+        return micro, StepShape.of(self.src_lengths, self.tgt_lengths, micro, padded)
+
+    def batch(self, rows: np.ndarray, shape: StepShape, index: int) -> Batch:
+        """The tensors of a step's micro-batch ``index`` (its ``rows``): grown to the step's bucketed shape
+        with shape buckets (which every process computed alike), and to multiples of COMPILE_MULTIPLE
+        under train.compile."""
+        batch = collate(self.split, rows)
+        if self.settings.shape_buckets:
+            batch = padded_to_shape(batch, *shape.shapes[index])
+        if self.settings.compile:
+            batch = padded_to_multiple(batch, COMPILE_MULTIPLE)
+        return batch
 
 
 def dev_rows(split, config: ModelConfig, name="the dev split", warn: bool = True) -> np.ndarray:
@@ -224,3 +254,12 @@ class LogWindow:
         if peak:
             metrics["mfu"] = window["flops"] / max(window["time"], 1e-9) / (peak * world)
         return metrics
+
+
+def check_layout(processes: int, preset: dict) -> None:
+    """A step is split into a multiple of the preset's gpus micro-batches: more processes would idle."""
+    layout = max(1, preset["gpus"])
+    if processes > layout:
+        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: "
+                        f"{layout}, so a step has too few micro-batches for every process; set the preset's "
+                        f"gpus to {processes} (or run {layout} processes or fewer)")

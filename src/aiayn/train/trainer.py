@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiayn.batching import StepShape, collate, padded_to_multiple
+from aiayn.batching import StepShape
 from aiayn.binarize import load_split
 from aiayn.bpe import vocab_fingerprint as bpe_fingerprint
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, checkpoint_path, list_checkpoints,
@@ -35,11 +35,12 @@ from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
 from aiayn.tokens import PAD_ID
-from aiayn.train.hardware import (COMPILE_MULTIPLE, Distributed, adam, autocast_context, compiled,
-                                  load_optimizer_state, model_for_training, peak_flops, resolved_precision)
+from aiayn.speed.shapes import ShapeLog
+from aiayn.train.hardware import (Distributed, adam, autocast_context, compiled, load_optimizer_state, loss_chunk_tokens,
+                                  model_for_training, peak_flops, resolved_precision)
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
-from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, dev_rows, evaluate,
-                               micro_batch_seed)
+from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, check_layout, dev_rows,
+                               evaluate, micro_batch_seed)
 from aiayn.train.window import in_window, window_vote
 
 
@@ -98,7 +99,7 @@ class Trainer:
         self.dist = Distributed.from_environment()
         self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank)
         self.dist.init(self.device)
-        self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
+        self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed, self.device)
         self.world = self.dist.world_size
         check_layout(self.world, job.preset)
         self.train_split = load_split(job.train_data)
@@ -123,6 +124,7 @@ class Trainer:
         self.precision = resolved_precision(self.settings.precision, self.device)  # what `auto` became here
         self.peak = peak_flops(self.device)
         self.source = StepSource(self.train_split, self.settings)
+        self.shape_log = ShapeLog()
         if not self.source.steps_of(self.progress.epoch):  # before tracking starts: no run is left open
             raise UserError(f"{job.train_data}: no training pairs")
         self.tracker = self._start_tracking() if self.dist.is_main else None
@@ -158,7 +160,7 @@ class Trainer:
             raise UserError(f"{path}: its model_config differs from preset {self.job.preset['name']!r}; "
                             f"the preset changed since this run started: delete {self.job.run_dir} to start afresh")
         rule = self.settings.batch_rule()
-        saved_rule = state.get("batch_rule", rule)
+        saved_rule = {"shape_buckets": False, **state.get("batch_rule", rule)}  # older runs had no buckets
         if saved_rule != rule:
             changed = ", ".join(f"{key} {saved_rule.get(key)} -> {value}" for key, value in rule.items()
                                 if saved_rule.get(key) != value)
@@ -175,7 +177,8 @@ class Trainer:
     def _wrap(self) -> torch.nn.Module:
         """The model and its loss (``TrainingObjective``), under DDP when there are several processes
         and compiled when train.compile is set: (src, tgt_in, tgt_out) -> (loss sum, NLL sum)."""
-        objective: torch.nn.Module = TrainingObjective(self.model, self.settings.label_smoothing)
+        chunk = loss_chunk_tokens(self.device, self.model_config.vocab_size, 2 * self.settings.device_tokens)
+        objective: torch.nn.Module = TrainingObjective(self.model, self.settings.label_smoothing, chunk)
         if self.world > 1:
             # the sinusoid table is the only buffer and never changes: nothing to send each step
             # (torch 2.13 renamed the switch; the GPU image's torch has the old name only)
@@ -216,26 +219,31 @@ class Trainer:
     # --- one step, in its named parts -----------------------------------------------------
 
     def forward_backward(self, step: int, micro: list[np.ndarray], shape: StepShape) -> torch.Tensor:
-        """This process's micro-batches (``index % world == rank``): gradients summed, loss sums returned."""
-        world, settings = self.world, self.settings
+        """This process's micro-batches (``index % world == rank``): gradients summed, loss sums returned.
+        On a GPU one autocast region spans the step, so that each weight is cast to bf16 once a step, not
+        once a micro-batch (the weights change only after the step)."""
+        world, settings, device = self.world, self.settings, self.device
         mine = [(index, rows) for index, rows in enumerate(micro) if index % world == self.dist.rank]
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, nll
-        for position, (index, rows) in enumerate(mine):
-            batch = collate(self.train_split, rows)
-            if settings.compile:
-                batch = padded_to_multiple(batch, COMPILE_MULTIPLE)
-            batch = batch.to(self.device)
-            torch.manual_seed(micro_batch_seed(settings.seed, step, index))
-            last = position == len(mine) - 1
-            sync = contextlib.nullcontext() if (world == 1 or last) else self.training_model.no_sync()
-            with sync:
-                with autocast_context(self.device, settings.precision):
-                    loss, nll = self.training_model(batch.src, batch.tgt_in, batch.tgt_out, batch.tgt_real)
-                # DDP averages gradients over processes; scale so that the result is the sum
-                # over the whole step's target tokens divided by their number.
-                (loss * (world / shape.real_tgt)).backward()
-            sums += torch.stack([loss.detach(), nll.detach()]).double()
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
+        step_region = autocast_context(device, settings.precision) if device.type == "cuda" else contextlib.nullcontext()
+        with step_region:
+            for position, (index, rows) in enumerate(mine):
+                batch = self.source.batch(rows, shape, index).to(device)
+                sums += self._micro_step(step, index, batch, shape, last=position == len(mine) - 1)
         return sums
+
+    def _micro_step(self, step: int, index: int, batch, shape: StepShape, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its (loss sum, nll sum)."""
+        world, settings = self.world, self.settings
+        torch.manual_seed(micro_batch_seed(settings.seed, step, index))
+        sync = contextlib.nullcontext() if (world == 1 or last) else self.training_model.no_sync()
+        with sync:
+            with autocast_context(self.device, settings.precision, settings.attention):
+                loss, nll = self.training_model(batch.src, batch.tgt_in, batch.tgt_out, batch.tgt_real)
+            # DDP averages gradients over processes; scale so that the result is the sum over the whole
+            # step's target tokens divided by their number.
+            (loss * (world / shape.real_tgt)).backward()
+        return torch.stack([loss.detach(), nll.detach()]).double()
 
     def agree(self, step: int, sums: torch.Tensor, stop: StopFlag, start_step: int, loop_start: float,
               budget: float) -> StepOutcome:
@@ -350,12 +358,13 @@ class Trainer:
                 lr = self.optimizer_step(step)
                 seconds = time.perf_counter() - step_start
                 self.account(step, shape, flops, seconds)
+                self.shape_log.step(shape.shapes[self.dist.rank::self.world], progress, seconds)
                 window.add(outcome, shape, seconds, flops)
                 bar.update(1)
                 if main and (step % settings.log_every == 0 or outcome.last):
                     metrics = window.metrics(self.peak, self.world)
                     metrics.update({"lr": lr, "grad_norm": outcome.grad_norm, "train_flops": progress.train_flops,
-                                    "epoch": progress.epoch})
+                                    "epoch": progress.epoch, **progress.shape_costs()})
                     self.tracker.log_metrics(metrics, step)
                     bar.set_postfix(loss=f"{metrics['train_loss']:.3f}", lr=f"{lr:.2e}",
                                     tok_s=f"{metrics['target_tokens_per_second']:.0f}")
@@ -420,7 +429,7 @@ class Trainer:
             "planned_steps": settings.steps,
             "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
             "world_size": self.world, "device": self.device_name, "device_peak_flops": self.peak,
-            "precision": self.precision,
+            "precision": self.precision, **progress.shape_costs(),
             "mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri, "experiment": job.experiment,
             **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
             "data_fingerprint": self.data_fingerprint,
@@ -437,11 +446,3 @@ def train(job: TrainJob) -> dict:
     """Train (or resume) one run; returns the summary written to ``final.json`` (empty off rank 0)."""
     return Trainer(job).run()
 
-
-def check_layout(processes: int, preset: dict) -> None:
-    """A step is split into a multiple of the preset's gpus micro-batches: more processes would idle."""
-    layout = max(1, preset["gpus"])
-    if processes > layout:
-        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: "
-                        f"{layout}, so a step has too few micro-batches for every process; set the preset's "
-                        f"gpus to {processes} (or run {layout} processes or fewer)")
