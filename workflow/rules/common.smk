@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from aiayn import layout
-from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_presets, to_json
+from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_presets, schema_default, to_json
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
 
@@ -114,9 +114,16 @@ RUNTIME_ONLY = {"train": ("log_every", "threads"), "binarize": ("workers",),
                 "decode": ("workers", "max_source_tokens")}
 
 
+# Settings added after runs were made: left out of a rule's params while at the schema's default, so that
+# an upgrade does not rerun a job finished before they existed (the job reads the default all the same).
+ADDED_SETTINGS = {"train": ("shape_buckets", "attention")}
+
+
 def output_settings(section):
     """A config section as a rule's params: its settings that can change an output, as JSON."""
-    return to_json({key: value for key, value in config[section].items() if key not in RUNTIME_ONLY[section]})
+    added = ADDED_SETTINGS.get(section, ())
+    return to_json({key: value for key, value in config[section].items() if key not in RUNTIME_ONLY[section]
+                    and not (key in added and value == schema_default(f"{section}.{key}"))})
 
 
 def local_inputs():
