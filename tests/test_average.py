@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -288,27 +289,140 @@ def test_the_dev_evaluation_of_the_averaged_model_and_the_last_is_recorded(train
     assert logged.metrics["dev_ppl_averaged"] == pytest.approx(summary["dev_ppl_averaged"])
     assert logged.tags["averaged_worse_than_last"] == str(summary["averaged_worse"]).lower()
     assert logged.tags["averaged_steps"] == "4, 6"
+    assert logged.params["reported_model"] == logged.tags["reported_model"] == summary["reported_model"]
+    assert summary["reported_model"].startswith("averaged, steps 4-6" if not summary["averaged_worse"] else
+                                                "last checkpoint, step 6: the average (steps 4-6) was worse on dev")
 
 
-def test_an_average_worse_than_the_last_checkpoint_warns_in_one_line_and_is_kept(trained_run, prepared, tmp_path):
-    run_dir, _ = trained_run
-    last = run_dir / "checkpoints" / "step_00000006.pt"
-    damaged = torch.load(last, map_location="cpu", weights_only=True)  # far from the last: an average with it
-    generator = torch.Generator().manual_seed(0)                       # is worse by far more than noise
-    damaged["model"] = {key: tensor + torch.randn(tensor.shape, generator=generator) for key, tensor
-                        in damaged["model"].items()}
-    damaged["step"] = 0
-    torch.save(damaged, tmp_path / "step_00000000.pt")
-    output = tmp_path / "model.pt"
+def perturbed(checkpoint_path, step, scale, seed, folder):
+    """A copy of a checkpoint with every weight moved by Gaussian noise of ``scale``, as step ``step``."""
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    generator = torch.Generator().manual_seed(seed)
+    checkpoint["model"] = {key: tensor + scale * torch.randn(tensor.shape, generator=generator) for key, tensor
+                           in checkpoint["model"].items()}
+    checkpoint["step"] = step
+    torch.save(checkpoint, folder / f"step_{step:08d}.pt")
+    return folder / f"step_{step:08d}.pt"
+
+
+def average_on_dev(prepared, folder, *checkpoints, options=()):
+    """`aiayn average` of the files with the dev comparison, as the DAG runs it; its summary and output."""
+    output = folder / "model.pt"
     done = run(average_command("--output", output, "--dev-data", prepared / "bin" / "dev", "--summary",
-                               tmp_path / "average.json", tmp_path / "step_00000000.pt", last), tmp_path)
+                               folder / "average.json", *checkpoints, *options), folder)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((tmp_path / "average.json").read_text())
+    return json.loads((folder / "average.json").read_text()), torch.load(output, map_location="cpu", weights_only=True), done
+
+
+@pytest.fixture(scope="module")
+def worse_average(trained_run, prepared, tmp_path_factory):
+    """A short run's window whose first checkpoint is far from the last (as early in a budgeted run, while
+    the learning rate still rises): the average is worse on dev by far more than noise."""
+    run_dir, _ = trained_run
+    folder = tmp_path_factory.mktemp("worse")
+    return folder, [perturbed(run_dir / "checkpoints" / "step_00000006.pt", 0, 1.0, 0, folder),
+                    run_dir / "checkpoints" / "step_00000006.pt"]
+
+
+def test_an_average_worse_on_dev_gives_way_to_the_last_checkpoint_in_one_line(worse_average, prepared):
+    folder, checkpoints = worse_average
+    summary, written, done = average_on_dev(prepared, folder, *checkpoints)
     assert summary["averaged_worse"] and summary["dev_ppl_averaged"] > summary["dev_ppl_last"]
+    last = torch.load(checkpoints[-1], map_location="cpu", weights_only=True)
+    # model.pt, the decode stage's input, is the last checkpoint: its weights, without optimizer state
+    assert written["format"] == "aiayn-model-v1" and "optimizer" not in written
+    assert written["averaged_steps"] == [6] and written["averaged_from"] == ["step_00000006.pt"]
+    assert all(torch.equal(written["model"][key], last["model"][key]) for key in last["model"])
+    assert summary["choose"] == "dev" and summary["reported"] == "last"
+    assert summary["reported_model"].startswith("last checkpoint, step 6: the average (steps 0-6) was worse on dev by ")
+    assert f"({summary['dev_ppl_averaged']:.2f} against {summary['dev_ppl_last']:.2f})" in summary["reported_model"]
+    messages = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(messages) == 1 and messages[0].startswith("note: "), done.stderr
+    assert f"{folder / 'model.pt'} is the last checkpoint" in messages[0]
+    assert f"{summary['dev_ppl_averaged']:.2f}" in messages[0] and f"{summary['dev_ppl_last']:.2f}" in messages[0]
+
+
+def test_the_papers_choice_keeps_a_worse_average_and_warns_in_one_line(worse_average, prepared, tmp_path):
+    folder, checkpoints = worse_average
+    summary, written, done = average_on_dev(prepared, tmp_path, *checkpoints, options=("--choose", "paper"))
+    assert summary["averaged_worse"] and summary["reported"] == "averaged"
+    assert summary["reported_model"] == "averaged, steps 0-6 (worse on dev than the last checkpoint; average.choose: paper)"
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1
     assert f"{summary['dev_ppl_averaged']:.2f}" in warnings[0] and f"{summary['dev_ppl_last']:.2f}" in warnings[0]
-    assert torch.load(output, map_location="cpu", weights_only=True)["averaged_steps"] == [0, 6]  # not swapped
+    assert written["averaged_steps"] == [0, 6]  # not swapped
+
+
+def test_the_choice_is_the_configs_average_choose_checked_by_the_schema(worse_average, prepared, tmp_path):
+    folder, checkpoints = worse_average
+    (tmp_path / "paper.yaml").write_text("models: [base]\naverage: {choose: paper}\n")
+    summary, written, _ = average_on_dev(prepared, tmp_path, *checkpoints, options=("--config", tmp_path / "paper.yaml"))
+    assert summary["choose"] == "paper" and written["averaged_steps"] == [0, 6]
+    refused = run(average_command("--output", tmp_path / "other.pt", "--choose", "best", *checkpoints), tmp_path)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --choose: average.choose = 'best'")
+    assert "dev, paper" in refused.stderr and not (tmp_path / "other.pt").exists()
+
+
+def test_an_average_better_on_dev_is_the_model_written(trained_run, prepared, tmp_path):
+    """Three checkpoints scattered around the run's last weights: their average is nearer than the last one."""
+    run_dir, _ = trained_run
+    checkpoints = [perturbed(run_dir / "checkpoints" / "step_00000006.pt", step, 0.15, step, tmp_path)
+                   for step in (7, 8, 9)]
+    summary, written, done = average_on_dev(prepared, tmp_path, *checkpoints)
+    assert summary["dev_nll_difference"] < -summary["dev_nll_noise"] and not summary["averaged_worse"]
+    assert summary["reported"] == "averaged" and summary["reported_model"] == "averaged, steps 7-9"
+    assert written["averaged_steps"] == [7, 8, 9] and written["averaged_from"] == [path.name for path in checkpoints]
+    averaged = average_checkpoints(checkpoints)["model"]
+    assert all(torch.equal(written["model"][key], averaged[key]) for key in averaged)
+    assert "note:" not in done.stderr and "warning:" not in done.stderr and "into" in done.stdout
+
+
+def test_a_rerun_that_chooses_anew_keeps_the_first_param_and_tags_the_new_choice(worse_average, prepared, tmp_path):
+    """MLflow never changes a param: a second average of the run (here with average.choose changed) says so in
+    one warning line and leaves its choice in the tag."""
+    from aiayn.tracking import open_client
+
+    folder, checkpoints = worse_average
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = open_client(uri)
+    run_id = client.create_run(client.create_experiment("reruns")).info.run_id
+    (tmp_path / "final.json").write_text(json.dumps({"mlflow_run_id": run_id, "step": 6}))
+    tracked = ("--log-to-run", tmp_path / "final.json", "--tracking-uri", uri)
+    first, _, _ = average_on_dev(prepared, tmp_path, *checkpoints, options=tracked)
+    second, _, done = average_on_dev(prepared, tmp_path, *checkpoints, options=(*tracked, "--choose", "paper"))
+    logged = client.get_run(run_id).data
+    assert logged.params["reported_model"] == first["reported_model"] != second["reported_model"]
+    assert logged.tags["reported_model"] == second["reported_model"]
+    warnings = [line for line in done.stderr.splitlines() if "keeps its param reported_model" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: "), done.stderr
+
+
+def test_the_choice_reads_the_dev_split_and_no_test_file(worse_average, prepared, tmp_path):
+    """Every file the average stage opens, recorded by an audit hook: the dev split's, never a test split's
+    (a binarized one and its text lie beside dev, as in the DAG's results)."""
+    folder, checkpoints = worse_average
+    (tmp_path / "data").mkdir()
+    for split in ("dev", "test"):
+        shutil.copytree(prepared / "bin" / "dev", tmp_path / "bin" / split)
+        for side in ("en", "de"):
+            shutil.copy(prepared / "data" / f"dev.{side}", tmp_path / "data" / f"{split}.{side}")
+    test_files = [str(tmp_path / "bin" / "test"), str(tmp_path / "data" / "test.")]
+    record = tmp_path / "opened.txt"
+    code = ("import os, sys\n"
+            f"opened = open({str(record)!r}, 'w')\n"
+            "sys.addaudithook(lambda event, args: event == 'open' and isinstance(args[0], (str, bytes)) and "
+            "opened.write(os.path.abspath(os.fsdecode(args[0])) + '\\n'))\n"
+            "from aiayn.average import main\n"
+            f"status = main({[str(path) for path in checkpoints]!r} + ['--output', 'out/model.pt', '--dev-data', "
+            "'bin/dev', '--summary', 'out/average.json'])\n"
+            "opened.close()\n"
+            "sys.exit(status)\n")
+    done = run([sys.executable, "-c", code], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "average.json").read_text())["reported"] == "last"
+    opened = set(record.read_text().splitlines())
+    assert any(path.startswith(str(tmp_path / "bin" / "dev")) for path in opened), sorted(opened)
+    assert not [path for path in opened if path.startswith(tuple(test_files))], sorted(opened)
 
 
 def test_a_summary_without_dev_data_is_refused_before_any_work(two_checkpoints, tmp_path, capsys):

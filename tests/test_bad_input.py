@@ -82,6 +82,16 @@ def model_file(path: Path, shared: Path, positional: str = "learned", max_positi
     return str(path)
 
 
+def pickled_objects(path: Path) -> str:
+    """A torch file holding a pickled object of a class (code to run when loaded), not only tensors."""
+    import argparse
+
+    import torch
+
+    torch.save({"format": "aiayn-model-v1", "settings": argparse.Namespace(steps=1)}, path)
+    return str(path)
+
+
 def translate(case: Path, shared: Path) -> list[str]:
     return ["translate", "--model", model_file(case / "sinusoidal.pt", shared, "sinusoidal"),
             "--spm-model", str(shared / "bpe" / "spm.model"), "--device", "cpu", "--max-len-b", "2"]
@@ -224,6 +234,9 @@ REFUSED = [
             broken_download(lambda case, local: (write(case / "raw" / "train.en", b""),
                                                  write(case / "raw" / "train.de", b""))),
             ("the train split is empty", "train.en"), "dropped"),
+    Refused("download: a test split whose source lines are all blank",
+            broken_download(lambda case, local: write(Path(local["test"]["src"]), b"\n" * 20)),
+            ("test.en", "every source line of the test split is blank (20 pairs)"), "data.local.test"),
     Refused("download: an output folder that is a file",
             lambda case, shared: download(case, corpus(case))[:-1] + [str(write(case / "taken", b"x"))],
             ("taken is a file",), "give another path"),
@@ -297,6 +310,9 @@ REFUSED = [
     Refused("binarize: a NUL byte late in the text",
             lambda case, shared: binarize(case, shared, src=str(write(case / "dev.en", lines(19) + b"ein\x00wort\n"))),
             ("dev.en, line 20", "NUL byte"), "tr -d '\\000'"),
+    Refused("binarize: an evaluation split whose source lines are all blank",
+            lambda case, shared: binarize(case, shared, src=str(write(case / "dev.en", b"\n" * 19 + b"  \n"))),
+            ("dev.en", "every one of its 20 lines is blank", "the dev split"), "give the dev split's source-language"),
     Refused("binarize: a training split that keeps no pair",
             lambda case, shared: binarize(case, shared, split="train", max_tokens=1),
             ("the train split keeps none of its 200 pairs", "binarize.max_tokens = 1"), "raise it"),
@@ -347,7 +363,17 @@ REFUSED = [
             ("translations is a directory",), "give the name of the file to write"),
     Refused("decode: a model file that is not a checkpoint",
             lambda case, shared: decode(case, shared, model=str(write(case / "model.pt", b"hello\n"))),
-            ("model.pt", "not a checkpoint (a text file)"), "give a checkpoint or model file", absent=("corrupt",)),
+            ("model.pt", "text, not a checkpoint", "'hello'"), "give a checkpoint or model file",
+            absent=("corrupt",)),
+    # text whose first byte a pickle reader takes for an opcode ("Z", "#") used to be called code
+    Refused("decode: a translation given as the model",
+            lambda case, shared: decode(case, shared, model=str(write(case / "model.pt", "Zwei Männer .\n".encode()))),
+            ("model.pt", "text, not a checkpoint", "'Zwei Männer .'"), "give a checkpoint or model file",
+            absent=("holding code", "corrupt")),
+    Refused("decode: a checkpoint holding pickled objects",
+            lambda case, shared: decode(case, shared, model=pickled_objects(case / "model.pt")),
+            ("model.pt", "holding code (pickled Python objects"), "give a checkpoint or model file",
+            absent=("text",)),
     # translate
     Refused("translate: a file that is not a SentencePiece model",
             lambda case, shared: ["translate", "--model", str(case / "model.pt"), "--spm-model",
@@ -357,6 +383,11 @@ REFUSED = [
             lambda case, shared: ["translate", "--model", mkdir(case / "average"), "--spm-model",
                                   str(shared / "bpe" / "spm.model"), "--device", "cpu"],
             ("average is a directory",), "checkpoint or model file", stdin=b"hello\n"),
+    Refused("translate: a text file given as the model",
+            lambda case, shared: ["translate", "--model", str(write(case / "notes.pt", b"# my notes\n")),
+                                  "--spm-model", str(shared / "bpe" / "spm.model"), "--device", "cpu"],
+            ("notes.pt", "text, not a checkpoint", "'# my notes'"), "give a checkpoint or model file",
+            stdin=b"hello\n", absent=("holding code",)),
     Refused("translate: old Mac line endings (CR only) on stdin",
             translate, ("stdin", "carriage return alone"), "tr '\\r' '\\n'", stdin=b"the man .\rthe dog .\r"),
     Refused("translate: a NUL byte on stdin",
@@ -399,6 +430,17 @@ REFUSED = [
     Refused("average: an output path that is a folder",
             lambda case, shared: ["average", "--output", mkdir(case / "average"), str(case / "step_00000001.pt")],
             ("average is a directory",), "give the name of the file to write"),
+    Refused("average: a text file among the checkpoints",
+            lambda case, shared: ["average", "--output", str(case / "model.pt.out"),
+                                  str(write(case / "step_00000001.pt", b"Zeile eins\n"))],
+            ("step_00000001.pt", "text, not a checkpoint"), "give a checkpoint or model file",
+            absent=("holding code",)),
+    # export
+    Refused("export: a text file given as the model",
+            lambda case, shared: ["export", "--model", str(write(case / "model.pt", b"# a model\n")), "--spm-model",
+                                  str(shared / "bpe" / "spm.model"), "--format", "ctranslate2", "--out",
+                                  str(case / "out")],
+            ("model.pt", "text, not a checkpoint"), "give a checkpoint or model file", absent=("holding code",)),
     # the command itself
     Refused("aiayn: an unknown command",
             lambda case, shared: ["binarize-all"],

@@ -335,7 +335,7 @@ def test_a_model_that_is_no_checkpoint_is_called_what_it_is(shared, tmp_path, ki
     copy(shared, tmp_path, "bpe/spm.model", "raw/test.en")
     if kind == "text":
         (tmp_path / "model.pt").write_text("the dog .\n")
-        said = "model.pt: not a checkpoint (a text file)"
+        said = "model.pt: text, not a checkpoint"
     else:
         import pickle
 

@@ -324,3 +324,34 @@ def test_table3_shows_last_vs_averaged_from_each_runs_average_json(results, tmp_
     assert table3.loc["base", "averaged_steps"] == "200 250 300"
     markdown = (tmp_path / "report" / "table3.md").read_text()
     assert "dev_ppl_averaged" in markdown and "averaged_steps" in markdown and "Last vs averaged" in markdown
+
+
+def test_both_tables_say_which_model_each_run_is(results, tmp_path):
+    """The average stage's choice, as average.json records it: base seed 1 reports its last checkpoint (its
+    average was worse on dev), every other run its average."""
+    from dataclasses import replace
+
+    from aiayn.average_dev import chosen, reported_model
+
+    files, said = [], {}
+    for run, (preset, seed) in zip(files_of(results), RESULTS):
+        worse = (preset, seed) == ("base", 1)
+        summary = {"dev_ppl_last": 5.0, "dev_ppl_averaged": 5.6 if worse else 4.9, "averaged_worse": worse,
+                   "averaged_steps": [206, 209, 212, 215, 219], "last_steps": [219]}
+        reported = chosen(summary, "dev")
+        said[(preset, seed)] = summary["reported_model"] = reported_model(summary, reported)
+        average = results / "average" / preset / f"seed{seed}" / "average.json"
+        average.parent.mkdir(parents=True)
+        average.write_text(json.dumps({**summary, "reported": reported}))
+        files.append(replace(run, average=average))
+    assert said[("base", 1)] == ("last checkpoint, step 219: the average (steps 206-219) was worse on dev by 0.60 "
+                                 "perplexity (5.60 against 5.00)")
+    assert said[("base", 2)] == "averaged, steps 206-219"
+    report = build_report(PRESETS, files, tmp_path / "report", bootstrap_samples=0, figures=False)
+    for name in ("table2", "table3"):
+        table = report[name].set_index("preset")
+        assert table.loc["base", "reported_model"] == f"seed 1: {said[('base', 1)]}; seed 2: {said[('base', 2)]}"
+        assert table.loc["A_heads_1", "reported_model"] == "averaged, steps 206-219"  # both seeds alike: once
+        markdown = (tmp_path / "report" / f"{name}.md").read_text()
+        assert said[("base", 1)] in markdown and "`reported_model`" in markdown
+    assert list(report["table2"].columns[:4]) == ["preset", "row", "seeds", "reported_model"]

@@ -103,9 +103,29 @@ def test_a_run_that_spends_its_time_budget_ends_normally_and_the_dag_completes(d
     averaged = torch.load(results / "average" / "demo_nopos" / "seed1" / "model.pt", weights_only=True)
     assert averaged["averaged_steps"][-1] == final["step"]
     comparison = json.loads((results / "average" / "demo_nopos" / "seed1" / "average.json").read_text())
-    assert comparison["averaged_steps"] == averaged["averaged_steps"] and comparison["dev_ppl_last"] > 1
+    assert comparison["averaged_steps"][-1] == final["step"] and comparison["dev_ppl_last"] > 1
     table3 = pd.read_csv(results / "report" / "table3.csv")
     assert table3["dev_ppl_averaged"].notna().all() and table3["dev_ppl_last"].notna().all()
+
+
+def test_decode_reads_the_model_the_average_stage_chose_on_dev_and_the_report_names_it(demo_run):
+    """average.choose: dev (the schema's default): model.pt, which decodes the test split, is the last checkpoint
+    where the average was worse on dev, else the average; both tables name it (unit cases: test_average.py)."""
+    results = demo_run / "results" / "demo"
+    tables = [pd.read_csv(results / "report" / f"{name}.csv").set_index("preset") for name in ("table2", "table3")]
+    for model in ("demo_base", "demo_nopos"):
+        comparison = json.loads((results / "average" / model / "seed1" / "average.json").read_text())
+        reported = torch.load(results / "average" / model / "seed1" / "model.pt", weights_only=True)
+        last = torch.load(results / "train" / model / "seed1" / "final.pt", weights_only=True)
+        assert comparison["choose"] == "dev"
+        assert comparison["reported"] == ("last" if comparison["averaged_worse"] else "averaged")
+        if comparison["reported"] == "last":
+            assert reported["averaged_steps"] == comparison["last_steps"] == last["averaged_steps"]
+            assert all(torch.equal(reported["model"][key], tensor) for key, tensor in last["model"].items())
+        else:
+            assert reported["averaged_steps"] == comparison["averaged_steps"]
+        for table in tables:
+            assert table.loc[model, "reported_model"] == comparison["reported_model"]
     assert (results / "score" / "demo_nopos" / "seed1" / "test.json").exists()
     assert (demo_run / "results" / "demo" / "report" / "table3.md").read_text().startswith("# Table 3")
 
@@ -120,6 +140,7 @@ def test_mlflow_holds_one_finished_run_per_preset_with_bleu_and_translations(dem
     for run in runs:
         assert run.info.status == "FINISHED"
         assert run.data.tags["averaged_steps"]
+        assert run.data.params["reported_model"].startswith(("averaged, step", "last checkpoint, step"))
         for metric in ("dev_bleu_tok", "dev_sacrebleu", "test_bleu_tok", "test_sacrebleu", "test_chrf", "dev_ppl",
                        "test_length_ratio", "dev_length_ratio", "real_src_tokens_per_step"):
             assert metric in run.data.metrics, metric

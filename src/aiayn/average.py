@@ -7,8 +7,10 @@ pitfall 3 puts this at up to 1 BLEU. ``--last K`` takes the last K *window* chec
 "data_fingerprint", "averaged_steps", "averaged_from"}``. Averaged models are accepted as
 inputs too; each input file then counts once, whatever it was averaged from. With ``--dev-data`` the
 averaged model and the last checkpoint are compared on the dev split (``aiayn.average_dev``), printed,
-logged to MLflow and written to ``--summary`` (the DAG's ``average.json`` beside the model); the
-averaged model is written whatever they show.
+logged to MLflow and written to ``--summary`` (the DAG's ``average.json`` beside the model); with
+``--choose dev`` (``average.choose``, the schema's default) the output is then the last checkpoint (as a
+model file) where the average is worse on dev by more than noise, with ``--choose paper`` the average
+always. Only the dev split is read for that choice, never test.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
-from aiayn.config import parse_with_config, schema_default
+from aiayn.config import check_value, parse_with_config, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import AVERAGE_SUMMARY
@@ -135,7 +137,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="aiayn average", description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order, validated once): --last is --preset's average_last, "
-                             "--precision and --dev-tokens the `train` section's; an option given here wins")
+                             "--precision and --dev-tokens the `train` section's, --choose average.choose; an "
+                             "option given here wins")
     parser.add_argument("--preset", help="with --config: the run's preset (default: the config's model, if one)")
     parser.add_argument("--output", required=True, type=Path, help="the averaged model file to write")
     parser.add_argument("--last", type=int, metavar="K", help="average the last K checkpoints of --checkpoint-dir")
@@ -153,8 +156,13 @@ def main(argv=None):
     parser.add_argument("--dev-tokens", type=int, default=schema_default("train.device_tokens"), metavar="N",
                         help="tokens a side in one dev batch, as train.device_tokens (default: %(default)s, the "
                              "schema's)")
+    parser.add_argument("--choose", default=schema_default("average.choose"), metavar="dev|paper",
+                        help="with --dev-data, the model written: dev, the last checkpoint where the average is worse "
+                             "on dev by more than noise, else the average; paper, the average always (default: "
+                             "%(default)s, the schema's average.choose)")
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
     args, _ = parse_with_config(parser, argv, _config_defaults)
+    check_value("average", "choose", args.choose, "--choose")
     if args.preset is not None and args.config is None:
         raise UserError("--preset names a preset of --config's files; give --config FILE... too")
     if (args.last is None) != (args.checkpoint_dir is None):
@@ -184,30 +192,39 @@ def main(argv=None):
         print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "
               "early, e.g. at train.max_minutes); averaging those", file=sys.stderr)
     model = average_checkpoints(paths)
-    save_model(model, args.output)
     steps = ", ".join(str(step) for step in model["averaged_steps"])
-    print(f"averaged {len(paths)} files (steps {steps}) into {args.output}")
-    metrics, tags = {"averaged_checkpoints": len(paths)}, {"averaged_steps": steps}
-    if args.dev_data:
-        comparison = dev_comparison(model, paths[-1], args)
-        metrics.update({key: comparison[key] for key in DEV_METRICS})
-        tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
+    comparison = dev_comparison(model, paths[-1], args) if args.dev_data else None
+    last_chosen = comparison is not None and comparison["reported"] == "last"
+    if last_chosen:
+        model = model_file(paths[-1])
+    save_model(model, args.output)
+    print(f"averaged {len(paths)} files (steps {steps})" + ("" if last_chosen else f" into {args.output}"))
+    if comparison is not None and args.summary:
+        write_json_atomic(args.summary, comparison)
     if args.log_to_run:
         from aiayn.tracking import log_to_existing_run
 
-        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics=metrics, tags=tags)
+        metrics, tags, params = {"averaged_checkpoints": len(paths)}, {"averaged_steps": steps}, {}
+        if comparison is not None:
+            metrics.update({key: comparison[key] for key in DEV_METRICS})
+            tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
+            # a param, as asked of MLflow's runs view; the tag keeps the latest where a rerun chose anew
+            params["reported_model"] = tags["reported_model"] = comparison["reported_model"]
+        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics=metrics, params=params, tags=tags)
 
 
 def _config_defaults(config: dict, args: argparse.Namespace) -> dict:
-    """The options --config sets: the preset's average_last (with --preset, or the config's one model) and
-    how the `train` section evaluates dev batches."""
+    """The options --config sets: with --checkpoint-dir, the preset's average_last (with --preset, or the config's
+    one model); how the `train` section evaluates dev batches; average.choose."""
     from aiayn.config import resolve_preset
 
     defaults = {"precision": config["train"]["precision"], "dev_tokens": config["train"]["device_tokens"],
-                "tracking_uri": config["tracking_uri"]}
+                "tracking_uri": config["tracking_uri"], "choose": config["average"]["choose"]}
     name = args.preset or (config["models"][0] if len(config["models"]) == 1 else None)
     if name is not None:
-        defaults["last"] = resolve_preset(config, name, args.config)["average_last"]
+        last = resolve_preset(config, name, args.config)["average_last"]
+        if args.checkpoint_dir is not None:  # listed files are averaged as they are
+            defaults["last"] = last
     elif args.last is None and args.checkpoint_dir is not None:
         raise UserError(f"--config: the config has {len(config['models'])} models; name the run's with --preset "
                         f"(one of {', '.join(config['models'])}), or give --last K")
@@ -220,19 +237,33 @@ DEV_METRICS = ("dev_ppl_last", "dev_ppl_averaged", "dev_nll_last", "dev_nll_aver
 
 def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> dict:
     """The averaged model against the last file averaged (with --last, the run's last step) on the dev
-    split: printed, written to --summary, and a one-line warning when the average is worse."""
-    from aiayn.average_dev import compare_on_dev, worse_warning
+    split, and the model --choose takes (``reported``, ``reported_model``): printed, with one line where
+    that is the last checkpoint, or a warning where the average is worse but kept (--choose paper)."""
+    from aiayn.average_dev import chosen, compare_on_dev, last_chosen_line, reported_model, worse_warning
     from aiayn.device import choose_device
 
     device = choose_device(args.device)
     comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, args.dev_tokens)
-    if args.summary:
-        write_json_atomic(args.summary, comparison)
+    reported = chosen(comparison, args.choose)
+    comparison.update(choose=args.choose, reported=reported, reported_model=reported_model(comparison, reported))
     print(f"dev perplexity: averaged {comparison['dev_ppl_averaged']:.3f}, last checkpoint "
           f"{comparison['dev_ppl_last']:.3f} ({last_path.name})")
-    if comparison["averaged_worse"]:
+    if reported == "last":
+        print(last_chosen_line(comparison, args.output), file=sys.stderr)
+    elif comparison["averaged_worse"]:
         print(worse_warning(comparison), file=sys.stderr)
     return comparison
+
+
+def model_file(path: Path) -> dict:
+    """The checkpoint or model file at ``path`` as a model file (``aiayn-model-v1``, no optimizer state), as
+    the trainer writes final.pt: what the stage writes when it reports the last checkpoint."""
+    checkpoint = load_checkpoint(path)
+    if checkpoint["format"] == MODEL_FORMAT:
+        return checkpoint
+    return {"format": MODEL_FORMAT, "model_config": checkpoint["model_config"], "model": checkpoint["model"],
+            "vocab_fingerprint": checkpoint["vocab_fingerprint"], "data_fingerprint": checkpoint["data_fingerprint"],
+            "averaged_steps": _steps_of(checkpoint), "averaged_from": [path.name]}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """What averaging gave: the averaged model and the last checkpoint, side by side on the dev split.
 
-The average stage keeps the paper's averaged model whatever this says (it never swaps models); it
-records both perplexities so that a user sees when the window reached back too far into the learning
-curve. The two models are compared on the same sentences in ``CHUNKS`` contiguous chunks of the dev
-file: the averaged model is called worse when its NLL per token exceeds the last checkpoint's by more
-than noise, twice the standard error of that difference estimated from the chunks (a paired
-comparison, so that what both models find hard cancels out).
+The two models are compared on the same sentences in ``CHUNKS`` contiguous chunks of the dev file: the
+averaged model is called worse when its NLL per token exceeds the last checkpoint's by more than noise,
+twice the standard error of that difference estimated from the chunks (a paired comparison, so that what
+both models find hard cancels out). The average stage then writes the model the later stages use
+(``average.choose``): with ``dev``, the last checkpoint where the average is worse, else the average;
+with ``paper``, the average always. Early in a run, while the learning rate still rises, an average of
+the last checkpoints lags the last one (issue 46); after a whole schedule it leads it. Only dev is read.
 """
 
 from __future__ import annotations
@@ -95,10 +96,42 @@ def compare_on_dev(averaged: dict, last_path: str | os.PathLike, dev_data: str |
     return summary
 
 
-def worse_warning(summary: dict) -> str:
-    """One line naming both figures, for an average worse than the last checkpoint by more than noise."""
+def chosen(summary: dict, choose: str) -> str:
+    """Which model the later stages get: "last" where ``choose`` (``average.choose``) is dev and the average is
+    worse on dev by more than noise, else "averaged" (the paper's; ``choose`` paper)."""
+    return "last" if choose == "dev" and summary["averaged_worse"] else "averaged"
+
+
+def _steps(steps: list[int]) -> str:
+    """``[206, 209, 219]`` -> "steps 206-219"; one step -> "step 219"."""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
+def reported_model(summary: dict, reported: str) -> str:
+    """What the reported model is, in words, for the report's tables and MLflow: "averaged, steps 206-219",
+    or "last checkpoint, step 219: the average was worse on dev by ..."."""
+    if reported == "averaged":
+        kept = " (worse on dev than the last checkpoint; average.choose: paper)" if summary["averaged_worse"] else ""
+        return f"averaged, {_steps(summary['averaged_steps'])}{kept}"
+    return (f"last checkpoint, {_steps(summary['last_steps'])}: the average ({_steps(summary['averaged_steps'])}) was "
+            f"worse on dev by {summary['dev_ppl_averaged'] - summary['dev_ppl_last']:.2f} perplexity "
+            f"({summary['dev_ppl_averaged']:.2f} against {summary['dev_ppl_last']:.2f})")
+
+
+def _worse(summary: dict) -> str:
     steps = ", ".join(str(step) for step in summary["averaged_steps"])
-    return (f"warning: the averaged model (steps {steps}) has dev perplexity {summary['dev_ppl_averaged']:.2f}, worse "
-            f"than the last checkpoint's {summary['dev_ppl_last']:.2f} ({summary['last_checkpoint']}; NLL "
-            f"+{summary['dev_nll_difference']:.4f} a token, noise {summary['dev_nll_noise']:.4f}); the averaged model "
-            "is kept, as the paper's procedure")
+    return (f"the averaged model (steps {steps}) has dev perplexity {summary['dev_ppl_averaged']:.2f}, worse than the "
+            f"last checkpoint's {summary['dev_ppl_last']:.2f} ({summary['last_checkpoint']}; NLL "
+            f"+{summary['dev_nll_difference']:.4f} a token, noise {summary['dev_nll_noise']:.4f})")
+
+
+def worse_warning(summary: dict) -> str:
+    """One line naming both figures, for an average worse than the last checkpoint that is kept anyway
+    (average.choose: paper)."""
+    return f"warning: {_worse(summary)}; the averaged model is kept, as the paper's procedure (average.choose: paper)"
+
+
+def last_chosen_line(summary: dict, output: str | os.PathLike) -> str:
+    """The one line the stage prints when it writes the last checkpoint instead of the average."""
+    return (f"note: {_worse(summary)}; {output} is the last checkpoint, which decode, score, the report and export "
+            "use (average.choose: paper keeps the average)")

@@ -219,6 +219,12 @@ def binarize_split(
         kept = counts["pairs_in"] - counts["dropped_too_long"] - counts["dropped_empty"]
         if max_tokens is not None and kept < MIN_KEPT_SHARE * counts["pairs_in"]:
             raise _too_few_kept(split, src_path, tgt_path, counts, kept, max_tokens, longer_sides)
+        if max_tokens is None and not counts["src_tokens"]:  # an evaluation split keeps every pair, blank or not
+            raise UserError(
+                f"{src_path}: every one of its {pairs} lines is blank, so the {split} split has no source sentence "
+                f"to translate or score; give the {split} split's source-language text as --src "
+                f"(data.local.{split}.src in the config), line for line with {tgt_path}"
+            )
         meta = {
             "split": split,
             "pairs_in": counts["pairs_in"],

@@ -44,19 +44,23 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch reports damage as RuntimeError, EOFError, UnpicklingError, ...
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+        # First what the file is: text read as a pickle fails torch's weights-only check too (its first
+        # byte taken for an opcode), and that is not code.
+        if not head.startswith((b"PK\x03\x04", b"\x80")):  # neither torch's zip format nor a pickle
+            what = ("an empty file, not a checkpoint" if not head else
+                    f"text, not a checkpoint (its first line: {_first_line(path)!r})" if _looks_like_text(path)
+                    else f"not a checkpoint (its first bytes are {head!r})")
+            raise UserError(
+                f"{path}: {what}; give a checkpoint or model file written by `aiayn train` "
+                "(step_*.pt, final.pt) or `aiayn average` (model.pt)"
+            ) from None
         if "Weights only load failed" in reason:
             raise UserError(
                 f"{path}: a checkpoint holding code (pickled Python objects, not only tensors and plain values), "
                 "which is not loaded for safety: loading it would run that code; give a checkpoint or model file "
                 "written by `aiayn train` or `aiayn average`"
-            ) from None
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-        if not head.startswith((b"PK\x03\x04", b"\x80")):  # neither torch's zip format nor a pickle
-            what = "a text file" if _looks_like_text(path) else f"its first bytes are {head!r}"
-            raise UserError(
-                f"{path}: not a checkpoint ({what}); give a checkpoint or model file written by `aiayn train` "
-                "(step_*.pt, final.pt) or `aiayn average` (model.pt)"
             ) from None
         raise UserError(
             f"{path}: cannot be loaded, the file is corrupt or truncated (perhaps written by a job "
@@ -77,6 +81,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         if key not in checkpoint:
             raise UserError(f"{path}: a {checkpoint['format']} file without its {key!r} entry; the file is damaged")
     return checkpoint
+
+
+def _first_line(path: Path, shown: int = 60) -> str:
+    """The start of a text file's first line, for a message that helps tell which file was given."""
+    with open(path, "rb") as handle:
+        line = handle.readline(4 * shown).decode("utf-8", errors="replace").rstrip("\r\n")
+    return line if len(line) <= shown else line[:shown] + "..."
 
 
 def _looks_like_text(path: Path) -> bool:

@@ -383,6 +383,13 @@ def download(data: dict, out_dir: str | Path) -> dict:
                     f"the {split} split is empty ({', '.join(source.origin)} gave {stats.pairs_read} pairs, "
                     f"{stats.dropped_empty} empty and {stats.dropped_long} over data.max_chars{ratio} were dropped)"
                 )
+            if split != "train" and not stats.src_words:  # the train split's blank pairs are dropped, above
+                key = f"data.local.{split}" if data["source"] == "local" else f"data.hub.splits.{split}"
+                raise UserError(
+                    f"{', '.join(source.origin)}: every source line of the {split} split is blank ({stats.pairs_read} "
+                    f"pairs), so it has nothing to translate or score; give the {split} split's {src_lang} text "
+                    f"({key}), line for line with its {tgt_lang} translation"
+                )
             all_stats[split] = stats.as_json()
             split_stats[split] = stats
         summary = {"source": data["source"], "src_lang": src_lang, "tgt_lang": tgt_lang, "splits": all_stats}

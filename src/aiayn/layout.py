@@ -45,7 +45,8 @@ def checkpoint_name(step: int, window: bool = True) -> str:
 
 
 # average: results/<experiment>/average/<model>/seed<seed>/
-AVERAGED_MODEL = "model.pt"  # the window's average, which decode and export read
+AVERAGED_MODEL = "model.pt"  # the window's average (or the last checkpoint, where average.choose: dev finds the
+                             # average worse on dev), which decode, the report and export read
 AVERAGE_SUMMARY = "average.json"  # the averaged model and the last checkpoint on dev (aiayn.average_dev)
 
 # report: results/<experiment>/report/

@@ -1,12 +1,12 @@
 """The report stage: our numbers beside the paper's, as Table 2 (test) and Table 3 (dev), and pictures.
 
-Table 2: newstest2014 BLEU of the averaged model, training cost (counted the paper's way, GPU-hours
-times a rate, beside our analytic FLOPs). Table 3: dev perplexity and
-dev BLEU of the last checkpoint without averaging, parameter count, a paired bootstrap test
-(sacreBLEU's, Koehn 2004) of each row's dev translations against the base model's, and "last vs
-averaged": the dev perplexity of the last checkpoint and of the averaged model, and the steps averaged
-(the average stage's ``average.json``). Several seeds
-of a preset are summarised as mean and standard deviation.
+Table 2: newstest2014 BLEU of the averaged model (or of the last checkpoint, where the average stage found
+the average worse on dev: ``reported_model`` says which), training cost (counted the paper's way, GPU-hours
+times a rate, beside our analytic FLOPs). Table 3: dev perplexity and dev BLEU of the last checkpoint
+without averaging, parameter count, a paired bootstrap test (sacreBLEU's, Koehn 2004) of each row's dev
+translations against the base model's, and "last vs averaged": the dev perplexity of the last checkpoint
+and of the averaged model, the steps averaged and the model reported (the average stage's ``average.json``).
+Several seeds of a preset are summarised as mean and standard deviation.
 
 Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
 paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
@@ -100,6 +100,7 @@ def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
             "dev_ppl_last": average.get("dev_ppl_last", math.nan),
             "dev_ppl_averaged": average.get("dev_ppl_averaged", math.nan),
             "averaged_steps": " ".join(str(step) for step in average.get("averaged_steps", [])),
+            "reported_model": average.get("reported_model", ""),
         })
     if not rows:
         raise UserError(f"no training runs given (--runs) for {', '.join(presets)}; run the stages first")
@@ -123,11 +124,13 @@ def _with_tokens_column(table):
     return table
 
 
-def _with_averaged_steps(table, runs):
-    """The steps each preset's average holds, as text beside its last-vs-averaged perplexities (seeds that
-    averaged other steps joined by "; ")."""
-    steps = runs.groupby("preset", sort=False)["averaged_steps"].agg(lambda texts: "; ".join(dict.fromkeys(texts)))
-    table["averaged_steps"] = table["preset"].map(steps)
+def _with_run_text(table, runs, column: str, at: int | None = None):
+    """A text column of the runs on each preset's row: the runs' text where the seeds agree, else each seed's
+    ("seed 1: ...; seed 2: ..."); at the end, or at position ``at``."""
+    texts = {preset: group[column].iloc[0] if group[column].nunique() == 1 else
+             "; ".join(f"seed {seed}: {text}" for seed, text in zip(group["seed"], group[column]))
+             for preset, group in runs.groupby("preset", sort=False)}
+    table.insert(len(table.columns) if at is None else at, column, table["preset"].map(texts))
     return table
 
 
@@ -241,9 +244,12 @@ def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
              "device's dense bf16 peak (empty on a CPU); `train_flops_analytic` counts the model's "
              "multiply-adds (x2, x3 for the backward pass) of every step.\n")
     notes += ("\nLast vs averaged (Table 3): `dev_ppl_last` and `dev_ppl_averaged` are the dev perplexities of the "
-              "last checkpoint and of the averaged model that Table 2 decodes, measured side by side by the average "
-              "stage (`average.json`, which also says whether the average is worse by more than noise); "
-              "`averaged_steps` are the steps it averaged.\n")
+              "last checkpoint and of the averaged model, measured side by side by the average stage (`average.json`, "
+              "which also says whether the average is worse by more than noise); `averaged_steps` are the steps it "
+              "averaged. `reported_model` (both tables) is the model Table 2 decodes and export writes: the average, "
+              "or the last checkpoint where the average was worse on dev by more than noise (`average.choose: dev`, "
+              "the default; `paper` keeps the average); the choice reads dev only. Table 3's dev BLEU and "
+              "perplexity are the last checkpoint's, as the paper's.\n")
     if bootstrap_samples:
         notes += (f"\n`bootstrap_p_vs_base`: sacreBLEU's paired bootstrap ({bootstrap_samples} resamples, seed "
                   f"{BOOTSTRAP_SEED}) of detokenized dev BLEU against `{base}`, each seed paired with the base's "
@@ -265,15 +271,16 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
         raise UserError(f"--base {base}: not one of the reported presets ({', '.join(presets)})")
     runs, files = collect_runs(presets, run_files)
     tokens = ["real_src_tokens_per_step", "real_tgt_tokens_per_step"]
-    table2 = _with_tokens_column(summarise(
+    table2 = _with_run_text(_with_tokens_column(summarise(
         runs, ["test_bleu_tok", "test_sacrebleu", "test_length_ratio", "test_chrf", *tokens, "steps", "train_hours",
                "train_flops_analytic", "train_cost_gpu_hours_x_peak"],
-        {"test_bleu_tok": "paper_bleu_test", "train_cost_gpu_hours_x_peak": "paper_train_flops"}))
+        {"test_bleu_tok": "paper_bleu_test", "train_cost_gpu_hours_x_peak": "paper_train_flops"})),
+        runs, "reported_model", at=3)
     table3 = _with_tokens_column(summarise(
         runs, ["dev_ppl", "dev_bleu_tok", "dev_sacrebleu", "dev_length_ratio", "params", *tokens, "steps", "train_hours",
                "dev_ppl_last", "dev_ppl_averaged"],
         {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
-    table3 = _with_averaged_steps(table3, runs)
+    table3 = _with_run_text(_with_run_text(table3, runs, "averaged_steps"), runs, "reported_model")
     if bootstrap_samples:
         bootstrap = bootstrap_against_base(runs, files, dev_references and Path(dev_references), base,
                                            bootstrap_samples)
@@ -282,7 +289,7 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
     signature = runs["sacrebleu_signature"].iloc[0]
     written = []
     for name, table, title in zip(TABLES, (table2, table3), (
-        "Table 2: the test split (newstest2014 in the paper), averaged checkpoints",
+        "Table 2: the test split (newstest2014 in the paper), averaged checkpoints (or the last, where worse on dev)",
         "Table 3: the dev split (newstest2013 in the paper), no averaging",
     )):
         with atomic_path(out_dir / f"{name}.csv") as tmp:

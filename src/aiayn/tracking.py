@@ -419,7 +419,13 @@ def log_to_existing_run(run_file: str | Path, tracking_uri: str | None, metrics:
     client = open_client(resolve_tracking_uri(tracking_uri))
     stamp = int(time.time() * 1000)
     batch = [Metric(k, float(v), stamp, int(info.get("step", 0))) for k, v in metrics.items()]
-    param_items = [Param(k, str(v)) for k, v in (params or {}).items()]
+    params = {key: str(value) for key, value in (params or {}).items()}
+    if params:  # MLflow never changes a param: one logged before (an earlier attempt) with another value stays
+        logged = _retry(lambda: client.get_run(run_id), "run").data.params
+        for key in [key for key in params if logged.get(key, params[key]) != params[key]]:
+            print(f"warning: MLflow run {run_id} keeps its param {key} = {logged[key]!r} from before (MLflow never "
+                  f"changes a param); {params.pop(key)!r} is not logged as a param", file=sys.stderr)
+    param_items = [Param(k, v) for k, v in params.items()]
     tag_items = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
     _retry(lambda: client.log_batch(run_id, metrics=batch, params=param_items, tags=tag_items), "metrics")
     for path in artifacts:

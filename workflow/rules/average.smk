@@ -10,6 +10,7 @@ rule average:
         checkpoint_dir=lambda w: for_run(run_file(layout.CHECKPOINTS), w),
         precision=config["train"]["precision"],
         dev_tokens=config["train"]["device_tokens"],
+        choose=config["average"]["choose"],  # model.pt: the average, or the last checkpoint where it is worse on dev
         tracking_uri=config["tracking_uri"],
     log:
         log_file("average", *RUN_LOG),
@@ -21,4 +22,5 @@ rule average:
         "aiayn --log {log} --attempt {resources.attempt} "
         "average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output.model} "
         "--dev-data {input.dev} --summary {output.summary} --precision {params.precision} "
-        "--dev-tokens {params.dev_tokens} --log-to-run {input.final} --tracking-uri {params.tracking_uri:q}"
+        "--dev-tokens {params.dev_tokens} --choose {params.choose} --log-to-run {input.final} "
+        "--tracking-uri {params.tracking_uri:q}"

@@ -102,7 +102,8 @@ def export_dir(engine="{format}"):
 
 
 def decode_model(wildcards):
-    """The paper's protocol: Table 3 (dev) without averaging, Table 2 (test) with it."""
+    """The paper's protocol: Table 3 (dev) without averaging, Table 2 (test) with it: the average stage's
+    model, which is the last checkpoint where the average was worse on dev (average.choose: dev)."""
     made_by = rules.train.output.model if wildcards.split == "dev" else rules.average.output.model
     return for_run(made_by, wildcards)
 
