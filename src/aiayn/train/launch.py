@@ -127,17 +127,15 @@ def check_preset_json(preset, source: str) -> None:
     """A resolved preset given as JSON is checked as a config's preset is: every key set, and each value
     against the schema's ``$defs.preset`` (types and bounds: ``warmup_steps: 0`` is refused here, not met as
     a division by zero at step 1). The resolved preset also carries its ``name``."""
-    import jsonschema
-
-    from aiayn.config import _schema, _schema_error_message
+    from aiayn import schema
 
     check_resolved_preset(preset, source)
-    definitions = _schema().get("$defs", {})
-    schema = {"$defs": definitions, **definitions["preset"]}
-    schema["properties"] = {**schema["properties"], "name": {"type": "string"}}
-    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(preset))
-    if errors:
-        raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), [source]))
+    definitions = schema.schema().get("$defs", {})
+    node = {"$defs": definitions, **definitions["preset"]}
+    node["properties"] = {**node["properties"], "name": {"type": "string"}}
+    error = schema.first_error(node, preset)
+    if error is not None:
+        raise UserError(schema.error_message(error, lambda path: source))
 
 
 def _settings(args) -> tuple[dict, dict, str]:
