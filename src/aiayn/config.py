@@ -218,7 +218,8 @@ def _heads_set_in(chain: Sequence[str], sources: Sequence[str]) -> str:
 def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "n_heads") -> None:
     """Section 3.2.2's d_k = d_model / h: without an explicit d_head, n_heads must divide d_model.
 
-    The one check for presets and ``ModelConfig`` alike; `setting` names the value in the message.
+    A config's presets, held to the model's own rule (``aiayn.model.check_heads``, which this module does
+    not import: the model imports torch) with the same message (tests/test_imports.py holds the two equal).
     """
     if d_head is None and d_model % n_heads:
         divisors = [n for n in range(1, d_model + 1) if d_model % n == 0]

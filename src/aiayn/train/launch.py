@@ -18,7 +18,8 @@ import torch
 
 from aiayn.config import check_resolved_preset, check_section, check_value, load_config, resolve_preset, schema_default
 from aiayn.errors import UserError, cli
-from aiayn.writing import (missing_folders, refuse_overwriting_inputs, remove_empty_folders, remove_stale_temporaries_in)
+from aiayn.folders import missing_folders, remove_empty_folders
+from aiayn.writing import refuse_overwriting_inputs, remove_stale_temporaries_in
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY, RUN_LOCK
 from aiayn.speed.host_memory import keep_freed_memory
 from aiayn.train.trainer import Preempted, TrainJob, check_layout, train
