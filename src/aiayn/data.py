@@ -26,9 +26,8 @@ from aiayn.reading import count_lines, iter_lines
 from aiayn.folders import missing_folders, remove_empty_folders
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, temporary_prefix, write_json_atomic
 from aiayn.data_checks import SplitSource, SplitStats, held_out_notes, warnings
-from aiayn.layout import DATA_STATS, text_name
+from aiayn.layout import DATA_STATS, SPLITS, text_name
 
-SPLITS = ("train", "dev", "test")
 BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
 
 
