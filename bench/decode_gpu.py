@@ -36,6 +36,7 @@ from aiayn.batching import length_sorted_batches
 from aiayn.decode import resolve_tokens_per_batch
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import SearchConfig, beam_search, paper_search
+from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
 
 
@@ -66,7 +67,7 @@ def count_synchronisations(model, ids, config: SearchConfig, autocast) -> tuple[
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                beam_search(model, ids, config)
+                beam_search(model, ids, config, steps=FAST_STEPS)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         with torch.inference_mode(), autocast:
             for ids in selected:
-                beam_search(model, ids, config)
+                beam_search(model, ids, config, steps=FAST_STEPS)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
         print(f"host synchronisations in one search of {batches[0].shape[0]} sentences: {syncs} in {steps} steps "
               f"(the search reads the device once a step, and a few times before and after its loop)")
     with torch.inference_mode(), autocast:  # the planned work: source-length outputs
-        for hypotheses, row in zip(beam_search(model, batches[-1], config), batches[-1].tolist()):
+        for hypotheses, row in zip(beam_search(model, batches[-1], config, steps=FAST_STEPS), batches[-1].tolist()):
             assert len(hypotheses[0].tokens) == sum(token != PAD_ID for token in row), "another output length"
     seconds = statistics.median(run(batches) for _ in range(args.repeats))
     print(f"decode: {len(lengths) / seconds:.1f} sentences/s, {target_tokens / seconds:.0f} target tokens/s "

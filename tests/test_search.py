@@ -15,12 +15,19 @@ from aiayn import search
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import SearchConfig, beam_search, greedy_search, length_penalty, max_output_lengths
+from aiayn.search import PLAIN_STEPS, SearchCache, SearchSteps
+from aiayn.speed import search_steps
 from aiayn.speed.decoder_cache import DecoderCache
-from aiayn.speed.incremental import InferenceModel, RowCounting
-from aiayn.speed.search_steps import stable_slots, surviving_order, top_k
+from aiayn.speed.incremental import InferenceModel
+from aiayn.speed.search_steps import FAST_STEPS, stable_slots, surviving_order, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
+
+
+def fast_search(model, src, config=None, steps=FAST_STEPS):
+    """The search as the decode stage runs it: with the fast steps (each test of the plain steps says so)."""
+    return beam_search(model, src, config, steps=steps)
 
 
 def tiny_model(seed: int = 0, cls: type[InferenceModel] = InferenceModel, **changes) -> InferenceModel:
@@ -68,6 +75,19 @@ def half_trained() -> InferenceModel:
 def with_weights(cls: type[InferenceModel], inference: InferenceModel) -> InferenceModel:
     """The same Transformer behind another inference class."""
     return cls(inference.model)
+
+
+class RowCounting(InferenceModel):
+    """Counts the decoder steps it runs and the rows (sentences x beams) they decode: the work a stopping
+    rule saves."""
+
+    steps = 0
+    rows = 0
+
+    def decode_step(self, tokens, position, cache):
+        self.steps += 1
+        self.rows += tokens.shape[0]
+        return super().decode_step(tokens, position, cache)
 
 
 class NoEosTransformer(InferenceModel):
@@ -222,20 +242,21 @@ def test_copying_only_where_hypotheses_differ_gives_exactly_the_full_copy_search
     full_copy = with_weights(FullCopyTransformer, model)
     config = SearchConfig(beam_size=4, n_best=4, max_len_a=0.5, max_len_b=6)
     src = sources([7, 3, 5, 9, 12, 4, 8, 2], seed=22)
-    expected = beam_search(full_copy, src, config)
-    assert [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in beam_search(model, src, config)] == \
+    expected = fast_search(full_copy, src, config)
+    assert [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in fast_search(model, src, config)] == \
         [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in expected]
 
 
+@pytest.mark.parametrize("steps", [FAST_STEPS, PLAIN_STEPS], ids=["fast", "plain"])
 @pytest.mark.parametrize("stop_when_beam_finished", [False, True])
 @pytest.mark.parametrize("early_stopping", [True, False])
-def test_cached_batched_search_equals_full_recomputation(early_stopping, stop_when_beam_finished, half_trained):
+def test_cached_batched_search_equals_full_recomputation(early_stopping, stop_when_beam_finished, steps, half_trained):
     model = half_trained
     config = SearchConfig(beam_size=3, length_penalty=0.6, max_len_a=0.5, max_len_b=6,
                           n_best=1 if early_stopping else 3, early_stopping=early_stopping,
                           stop_when_beam_finished=stop_when_beam_finished)
     src = sources([7, 3, 5, 9, 12, 4], seed=2)
-    results = beam_search(model, src, config)
+    results = beam_search(model, src, config, steps=steps)
     assert len({len(h[0].tokens) for h in results}) > 2  # the case worth testing: they end at different steps
     for row, hypotheses in zip(src.tolist(), results):
         expected = reference_beam_search(model, [t for t in row if t != PAD_ID], config)[: config.n_best]
@@ -257,8 +278,8 @@ def test_stopping_when_the_best_candidate_ends_equals_the_slow_reference(kind, a
     differ = 0
     for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10])):
         src = sources(lengths, seed=seed)
-        results = beam_search(model, src, config)
-        default = beam_search(model, src, dataclasses.replace(config, stop_when_best_finished=False))
+        results = fast_search(model, src, config)
+        default = fast_search(model, src, dataclasses.replace(config, stop_when_best_finished=False))
         differ += sum([h.tokens for h in a] != [h.tokens for h in b] for a, b in zip(results, default))
         for row, hypotheses in zip(src.tolist(), results):
             expected = reference_beam_search(model, [t for t in row if t != PAD_ID], config)[:n_best]
@@ -276,7 +297,7 @@ def test_stopping_when_the_best_candidate_ends_never_decodes_more_than_the_defau
         counting = with_weights(RowCounting, model)
         for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10]), (22, [11, 5, 5, 3, 9])):
             steps_before = counting.steps
-            beam_search(counting, sources(lengths, seed=seed),
+            fast_search(counting, sources(lengths, seed=seed),
                         SearchConfig(beam_size=4, max_len_b=8, stop_when_best_finished=rule == "best"))
             counted.setdefault(rule, []).append(counting.steps - steps_before)
         counted[rule + " rows"] = counting.rows
@@ -292,8 +313,8 @@ def test_stopping_when_the_best_candidate_ends_returns_the_first_best_eos_even_w
     model = BigramModel(LONGER_WINS)
     src = torch.tensor([[4, 4, EOS_ID]])
     config = SearchConfig(beam_size=2, length_penalty=1.0, max_len_b=5)
-    assert beam_search(model, src, config)[0][0].tokens == [A, 8]
-    assert beam_search(model, src, dataclasses.replace(config, stop_when_best_finished=True))[0][0].tokens == []
+    assert fast_search(model, src, config)[0][0].tokens == [A, 8]
+    assert fast_search(model, src, dataclasses.replace(config, stop_when_best_finished=True))[0][0].tokens == []
 
 
 def test_at_alpha_zero_stopping_when_the_best_candidate_ends_changes_nothing(half_trained):
@@ -302,7 +323,7 @@ def test_at_alpha_zero_stopping_when_the_best_candidate_ends_changes_nothing(hal
     results, steps = {}, {}
     for rule in (False, True):
         counting = with_weights(RowCounting, half_trained)
-        results[rule] = [[(h.tokens, h.score) for h in sentence] for sentence in beam_search(
+        results[rule] = [[(h.tokens, h.score) for h in sentence] for sentence in fast_search(
             counting, src, SearchConfig(length_penalty=0.0, max_len_b=8, stop_when_best_finished=rule))]
         steps[rule] = (counting.steps, counting.rows)
     assert results[True] == results[False]
@@ -314,7 +335,7 @@ def test_beam_size_one_equals_greedy_decoding(trained, half_trained):
     model = half_trained if trained else tiny_model(seed=3)
     src = sources([9, 4, 12, 6, 2, 7], seed=4)
     greedy = greedy_search(model, src, max_len_a=1.0, max_len_b=8, length_penalty_alpha=0.6)
-    beam = beam_search(model, src, SearchConfig(beam_size=1, max_len_b=8, length_penalty=0.6,
+    beam = fast_search(model, src, SearchConfig(beam_size=1, max_len_b=8, length_penalty=0.6,
                                                 stop_when_beam_finished=True))
     assert [h[0].tokens for h in beam] == [h.tokens for h in greedy]
     assert [h[0].log_prob for h in beam] == pytest.approx([h.log_prob for h in greedy], abs=1e-4)
@@ -325,7 +346,7 @@ def test_beam_finds_the_more_probable_output_that_greedy_misses():
     model = BigramModel(GARDEN_PATH)
     src = torch.tensor([[4, 4, EOS_ID]])
     greedy = greedy_search(model, src, max_len_b=5)[0]
-    best = beam_search(model, src, SearchConfig(beam_size=4, max_len_b=5))[0][0]
+    best = fast_search(model, src, SearchConfig(beam_size=4, max_len_b=5))[0][0]
     assert greedy.tokens == [A]
     assert greedy.log_prob == pytest.approx(math.log(0.6 * 0.15), abs=1e-5)
     assert best.tokens == [B]
@@ -338,7 +359,7 @@ def test_with_fairseqs_rule_beam_size_one_stops_at_its_first_eos_like_greedy_eve
     src = torch.tensor([[4, 4, EOS_ID]])
     assert greedy_search(model, src, max_len_b=5, length_penalty_alpha=1.0)[0].tokens == []
     config = SearchConfig(beam_size=1, length_penalty=1.0, max_len_b=5, stop_when_beam_finished=True)
-    assert beam_search(model, src, config)[0][0].tokens == []
+    assert fast_search(model, src, config)[0][0].tokens == []
 
 
 def test_without_fairseqs_rule_only_the_bound_ends_a_search_so_a_longer_hypothesis_can_still_win():
@@ -348,7 +369,7 @@ def test_without_fairseqs_rule_only_the_bound_ends_a_search_so_a_longer_hypothes
     src = torch.tensor([[4, 4, EOS_ID]])
     for beam in (1, 2):
         config = SearchConfig(beam_size=beam, length_penalty=1.0, max_len_b=5, stop_when_beam_finished=False)
-        best = beam_search(model, src, config)[0][0]
+        best = fast_search(model, src, config)[0][0]
         assert best.tokens == [A, 8]
         assert best.score == pytest.approx(math.log(0.24 * 0.98 * 0.99) / (8 / 6), abs=1e-5)
 
@@ -364,7 +385,7 @@ def test_length_penalty_is_gnmt_form(length, alpha, expected):
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
 def test_scores_are_log_prob_over_length_penalty_counting_eos(alpha, half_trained):
     src = sources([6, 8, 3, 9], seed=6)
-    results = beam_search(half_trained, src, SearchConfig(beam_size=4, length_penalty=alpha, n_best=4))
+    results = fast_search(half_trained, src, SearchConfig(beam_size=4, length_penalty=alpha, n_best=4))
     for hypotheses in results:
         for hypothesis in hypotheses:
             expected = hypothesis.log_prob / ((5 + len(hypothesis.tokens) + 1) / 6) ** alpha
@@ -375,14 +396,14 @@ def test_scores_are_log_prob_over_length_penalty_counting_eos(alpha, half_traine
 
 def test_a_larger_length_penalty_favours_longer_outputs(half_trained):
     src = sources([7, 3, 5, 9, 12, 4, 6, 8], seed=2)
-    total = {alpha: sum(len(h[0].tokens) for h in beam_search(half_trained, src, SearchConfig(length_penalty=alpha)))
+    total = {alpha: sum(len(h[0].tokens) for h in fast_search(half_trained, src, SearchConfig(length_penalty=alpha)))
              for alpha in (0.0, 1.0)}
     assert total[1.0] > total[0.0]
 
 
 def test_n_best_are_distinct_and_sorted_best_first():
     model = tiny_model(seed=7)
-    for hypotheses in beam_search(model, sources([5, 9], seed=8), SearchConfig(beam_size=4, n_best=4)):
+    for hypotheses in fast_search(model, sources([5, 9], seed=8), SearchConfig(beam_size=4, n_best=4)):
         assert len(hypotheses) == 4
         scores = [h.score for h in hypotheses]
         assert scores == sorted(scores, reverse=True)
@@ -395,9 +416,9 @@ def test_a_sentence_decodes_the_same_alone_and_in_a_batch_with_longer_ones(train
     lengths = [4, 15, 9, 22, 3]
     batch = sources(lengths, seed=10)
     config = SearchConfig(beam_size=4, n_best=2, max_len_b=10)
-    together = beam_search(model, batch, config)
+    together = fast_search(model, batch, config)
     for row, length in enumerate(lengths):
-        alone = beam_search(model, batch[row : row + 1, :length], config)[0]
+        alone = fast_search(model, batch[row : row + 1, :length], config)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in together[row]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in together[row]], abs=1e-4)
 
@@ -407,7 +428,7 @@ def test_output_never_exceeds_a_times_source_length_plus_b():
     lengths = [3, 10, 6]
     src = sources(lengths, seed=12)
     config = SearchConfig(beam_size=3, max_len_a=1.5, max_len_b=2, n_best=3)
-    for length, hypotheses in zip(lengths, beam_search(model, src, config)):
+    for length, hypotheses in zip(lengths, fast_search(model, src, config)):
         assert [len(h.tokens) for h in hypotheses] == [math.floor(1.5 * length + 2)] * 3
     greedy = greedy_search(model, src, max_len_a=1.5, max_len_b=2)
     assert [len(h.tokens) for h in greedy] == [math.floor(1.5 * length + 2) for length in lengths]
@@ -416,7 +437,7 @@ def test_output_never_exceeds_a_times_source_length_plus_b():
 
 def test_learned_positions_cap_the_output_at_the_table_size():
     model = tiny_model(seed=13, cls=NoEosTransformer, positional="learned", max_positions=12)
-    hypotheses = beam_search(model, sources([5], seed=14), SearchConfig(beam_size=2, max_len_b=50))[0]
+    hypotheses = fast_search(model, sources([5], seed=14), SearchConfig(beam_size=2, max_len_b=50))[0]
     assert len(hypotheses[0].tokens) == 11
 
 
@@ -428,7 +449,7 @@ def test_early_termination_returns_what_searching_to_the_end_returns(alpha, n_be
     for early in (True, False):
         model = with_weights(RowCounting, half_trained)
         config = SearchConfig(beam_size=4, length_penalty=alpha, max_len_b=15, n_best=n_best, early_stopping=early)
-        outputs[early] = beam_search(model, src, config)
+        outputs[early] = fast_search(model, src, config)
         steps[early] = model.steps
     assert [[h.tokens for h in hs] for hs in outputs[True]] == [[h.tokens for h in hs] for hs in outputs[False]]
     scores = {early: [h.score for hs in outputs[early] for h in hs] for early in outputs}
@@ -442,7 +463,7 @@ def test_early_termination_keeps_searching_while_a_longer_hypothesis_can_still_w
     # After the first step EOS has finished at log(0.3) and the best live hypothesis has log(0.24):
     # without a length penalty it could never win, but with it, two tokens later, it does.
     model = BigramModel(LONGER_WINS)
-    best = beam_search(model, torch.tensor([[4, 4, EOS_ID]]), SearchConfig(beam_size=2, length_penalty=1.0,
+    best = fast_search(model, torch.tensor([[4, 4, EOS_ID]]), SearchConfig(beam_size=2, length_penalty=1.0,
                                                                           max_len_b=5))[0][0]
     assert best.tokens == [A, 8]
     assert best.score == pytest.approx(math.log(0.24 * 0.98 * 0.99) / (8 / 6), abs=1e-5)
@@ -457,7 +478,7 @@ def test_finished_sentences_leave_the_batch():
             return super().decode_step(tokens, position, cache)
 
     model = tiny_model(seed=17, cls=RowsPerStep)
-    beam_search(model, sources([3, 3, 3, 30], seed=18), SearchConfig(beam_size=2, max_len_b=0, max_len_a=1.0))
+    fast_search(model, sources([3, 3, 3, 30], seed=18), SearchConfig(beam_size=2, max_len_b=0, max_len_a=1.0))
     assert rows[0] == 4  # the first step: one row per sentence (all beams are the same empty hypothesis)
     assert rows[1] == 8  # then 4 sentences x 2 beams
     assert rows[-1] == 2  # only the long sentence's beams are left at the end
@@ -538,7 +559,7 @@ class StepMarking(InferenceModel):
 
 def accelerator_path(monkeypatch) -> None:
     """Makes beam_search take the path it takes on a GPU, where reading a tensor costs a synchronisation."""
-    monkeypatch.setattr(search, "reads_are_free", lambda device: False)
+    monkeypatch.setattr(search_steps, "reads_are_free", lambda device: False)
 
 
 @pytest.mark.parametrize("early_stopping, stop_when_best_finished", [(True, False), (False, False), (True, True)])
@@ -551,7 +572,7 @@ def test_the_accelerator_path_reads_the_host_at_most_once_a_step(early_stopping,
     src = sources([7, 3, 5, 9, 12, 4, 8, 2, 10, 6], seed=31)
     model.marks, model.rows, model.reads = [], [], HostReads()
     with model.reads:
-        beam_search(model, src, config)
+        fast_search(model, src, config)
     assert len(set(model.rows[1:])) > 2  # sentences left the batch at different steps
     reads_per_step = [later - earlier for earlier, later in zip(model.marks, model.marks[1:])]
     assert max(reads_per_step) <= 1
@@ -568,9 +589,9 @@ def test_the_accelerator_path_finds_the_cpu_paths_hypotheses(kind, half_trained,
                                                       early_stopping=False), SearchConfig(beam_size=1, max_len_b=8),
                SearchConfig(max_len_b=8, stop_when_beam_finished=True),
                SearchConfig(max_len_b=8, length_penalty=2.0, n_best=2, stop_when_best_finished=True)]
-    cpu = [beam_search(model, src, config) for config in configs]
+    cpu = [fast_search(model, src, config) for config in configs]
     accelerator_path(monkeypatch)
-    assert [beam_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit
+    assert [fast_search(model, src, config) for config in configs] == cpu  # tokens, and scores to the bit
 
 
 def test_search_config_from_dict_rejects_unknown_keys_and_bad_values():
@@ -598,3 +619,41 @@ def test_top_k_by_block_maxima_gives_topk_values_and_the_positions_of_those_valu
     assert torch.equal(scores.gather(1, indices), values)  # each index holds its value
     assert all(len(set(row)) == 8 for row in indices.tolist())  # no position twice
 
+
+
+# --- the paper's search standing alone: its imports, the cache it drives, the steps that plug in -----------
+
+def test_the_search_imports_nothing_from_the_speed_wing_or_the_config_machinery():
+    """aiayn.search reads as the paper's search: torch, the standard library, the special tokens, the
+    user's errors and the schema (its defaults, and its rules for the Python API's values), nothing else."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(search.__file__).read_text(encoding="utf-8"))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    ours = {name for name in imported if name.startswith("aiayn")}
+    assert not {name for name in ours if name.startswith("aiayn.speed") or name.startswith("aiayn.config")}
+    assert ours <= {"aiayn", "aiayn.errors", "aiayn.tokens", "aiayn.schema", "aiayn.model", "aiayn.batching"}
+
+
+def test_the_real_cache_and_the_tests_fake_meet_the_search_cache_contract(half_trained):
+    memory, src_pad = half_trained.encode(sources([4, 3]))
+    assert isinstance(half_trained.init_cache(memory, src_pad, 5), SearchCache)
+    assert isinstance(BigramModel(GARDEN_PATH).init_cache(memory, src_pad, 5), SearchCache)
+    assert isinstance(FAST_STEPS, SearchSteps) and isinstance(PLAIN_STEPS, SearchSteps)
+
+
+@pytest.mark.parametrize("kind", ["half_trained", "random", "learned_positions"])
+def test_the_fast_steps_find_the_plain_steps_hypotheses(kind, half_trained):
+    model = {"half_trained": half_trained, "random": tiny_model(seed=51),
+             "learned_positions": tiny_model(seed=52, positional="learned", max_positions=12)}[kind]
+    src = sources([7, 3, 5, 9, 12, 4, 8, 2, 1], seed=53)
+    for config in [SearchConfig(max_len_b=8), SearchConfig(beam_size=3, n_best=3, max_len_a=0.5, max_len_b=6,
+                                                           early_stopping=False),
+                   SearchConfig(max_len_b=8, length_penalty=2.0, n_best=2, stop_when_best_finished=True)]:
+        fast, plain = (beam_search(model, src, config, steps=steps) for steps in (FAST_STEPS, PLAIN_STEPS))
+        assert [[h.tokens for h in sentence] for sentence in fast] == [[h.tokens for h in sentence] for sentence in plain]
+        assert [[h.score for h in sentence] for sentence in fast] == \
+            [pytest.approx([h.score for h in sentence], abs=1e-5) for sentence in plain]
+    assert greedy_search(model, src, max_len_b=8, steps=FAST_STEPS) == greedy_search(model, src, max_len_b=8)

@@ -30,8 +30,8 @@ def test_every_command_takes_config_files(command):
 def test_the_search_defaults_are_the_schemas_read_where_they_are_used():
     """A schema with other decode defaults gives other defaults everywhere: nothing holds its own copy."""
     code = """
-import aiayn.config as config
-decode = config._parsed_schema()["properties"]["decode"]["properties"]
+import aiayn.schema as schema
+decode = schema.parsed()["properties"]["decode"]["properties"]
 decode["beam_size"]["default"], decode["length_penalty"]["default"] = 7, 0.9
 decode["stop_when_beam_finished"]["default"], decode["tokens_per_batch"]["default"] = True, 1234
 decode["workers"]["default"], decode["max_len_b"]["default"] = 3, 11
@@ -52,11 +52,11 @@ print(arguments().format_help().replace("\\n", " "))
 
 
 def spy_on_checks(monkeypatch) -> list[str]:
-    """The keys of every section value the schema checks from now on, in order."""
-    import aiayn.config as config
+    """The keys of every section value the schema's one validator checks from now on, in order."""
+    import aiayn.schema as schema
 
     checked: list[str] = []
-    real = config._validator
+    real = schema.validator
 
     def validator(schema):
         inner = real(schema)
@@ -67,7 +67,7 @@ def spy_on_checks(monkeypatch) -> list[str]:
                 return inner.iter_errors(values)
         return Counting()
 
-    monkeypatch.setattr(config, "_validator", validator)
+    monkeypatch.setattr(schema, "validator", validator)
     return checked
 
 

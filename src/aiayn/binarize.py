@@ -153,7 +153,6 @@ class NpyWriter:
         self.close()
 
 
-
 def binarize_split(
     split: str,
     src_path: str | Path,
@@ -168,52 +167,15 @@ def binarize_split(
     Streams: each chunk's kept ids are appended to the arrays' files as it comes back, in a
     temporary folder renamed onto ``out_dir`` only when every array is complete.
     """
-    refuse_overwriting_inputs({}, {"--src": src_path, "--tgt": tgt_path, "--spm-model": model_path},
-                              {"--out-dir": out_dir})  # the folder is replaced as a whole
-    if same_file(src_path, tgt_path):
-        raise UserError(f"--src {src_path} and --tgt {tgt_path} are one file: a parallel corpus pairs each "
-                        "sentence with its translation; give the target language's file as --tgt")
-    refuse_replacing_a_folder("--out-dir", out_dir, SPLIT_META, "aiayn binarize")
-    if workers < 1:
-        raise UserError(f"--workers {workers} must be at least 1")
-    if max_tokens is not None and max_tokens < 1:
-        raise UserError(f"binarize.max_tokens = {max_tokens} must be at least 1")
-    # the model first, in this process: workers that cannot load it would fail where no one sees
-    vocab_size = load_processor(model_path).get_piece_size()
-    pairs, tgt_pairs = count_lines(src_path), count_lines(tgt_path)
-    if pairs != tgt_pairs:
-        raise UserError(f"{src_path} has {pairs} lines but {tgt_path} has {tgt_pairs}; they must be parallel")
-    if not pairs:
-        raise UserError(f"{src_path}: the {split} split is empty")
+    vocab_size, pairs = _check_split(split, src_path, tgt_path, model_path, out_dir, max_tokens, workers)
     out_dir = Path(out_dir)
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     counts = dict.fromkeys(("pairs_in", "dropped_too_long", "dropped_empty", "src_tokens", "tgt_tokens"), 0)
     longer_sides = np.zeros(_LENGTH_BINS + 1, dtype=np.int64)  # pairs by their longer side's tokens
     with atomic_path(out_dir, directory=True) as tmp:
         tmp.mkdir()
-        with contextlib.ExitStack() as stack:
-            arrays = {name: stack.enter_context(NpyWriter(tmp / f"{name}.npy", kind))
-                      for name, kind in zip(SPLIT_ARRAYS, (dtype, np.int64, dtype, np.int64, np.int64))}
-            arrays["src.offsets"].append(np.zeros(1))
-            arrays["tgt.offsets"].append(np.zeros(1))
-            for src_flat, src_len, tgt_flat, tgt_len in encode_chunks(src_path, tgt_path, model_path, workers,
-                                                                      pairs, desc=f"binarize {split}"):
-                if max_tokens is None:  # evaluation splits: every sentence stays
-                    empty = too_long = np.zeros(len(src_len), dtype=bool)
-                else:
-                    empty = (src_len == 0) | (tgt_len == 0)
-                    too_long = ~empty & ((src_len > max_tokens) | (tgt_len > max_tokens))
-                keep = ~(empty | too_long)
-                for side, flat, lengths in (("src", src_flat, src_len), ("tgt", tgt_flat, tgt_len)):
-                    arrays[f"{side}.ids"].append(flat[np.repeat(keep, lengths)])
-                    arrays[f"{side}.offsets"].append(counts[f"{side}_tokens"] + np.cumsum(lengths[keep]))
-                    counts[f"{side}_tokens"] += int(lengths[keep].sum())
-                arrays["lines"].append(counts["pairs_in"] + np.flatnonzero(keep))
-                counts["pairs_in"] += len(keep)
-                counts["dropped_too_long"] += int(too_long.sum())
-                counts["dropped_empty"] += int(empty.sum())
-                longer_sides += np.bincount(np.minimum(np.maximum(src_len, tgt_len), _LENGTH_BINS),
-                                            minlength=_LENGTH_BINS + 1)
+        chunks = encode_chunks(src_path, tgt_path, model_path, workers, pairs, desc=f"binarize {split}")
+        _write_arrays(tmp, chunks, dtype, max_tokens, counts, longer_sides)
         if counts["pairs_in"] != pairs:  # a file that changed while it was read
             raise UserError(f"{src_path}: {pairs} lines counted but {counts['pairs_in']} read; was it being written?")
         kept = counts["pairs_in"] - counts["dropped_too_long"] - counts["dropped_empty"]
@@ -243,6 +205,59 @@ def binarize_split(
         }
         (tmp / SPLIT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
+
+
+def _check_split(split: str, src_path: str | Path, tgt_path: str | Path, model_path: str | Path,
+                 out_dir: str | Path, max_tokens: int | None, workers: int) -> tuple[int, int]:
+    """Refuse what cannot be binarized before any work: outputs that are inputs, one file for both sides,
+    a folder the stage did not write, files of different lengths, an empty split. Returns the vocabulary's
+    size and the pairs."""
+    refuse_overwriting_inputs({}, {"--src": src_path, "--tgt": tgt_path, "--spm-model": model_path},
+                              {"--out-dir": out_dir})  # the folder is replaced as a whole
+    if same_file(src_path, tgt_path):
+        raise UserError(f"--src {src_path} and --tgt {tgt_path} are one file: a parallel corpus pairs each "
+                        "sentence with its translation; give the target language's file as --tgt")
+    refuse_replacing_a_folder("--out-dir", out_dir, SPLIT_META, "aiayn binarize")
+    if workers < 1:
+        raise UserError(f"--workers {workers} must be at least 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"binarize.max_tokens = {max_tokens} must be at least 1")
+    # the model first, in this process: workers that cannot load it would fail where no one sees
+    vocab_size = load_processor(model_path).get_piece_size()
+    pairs, tgt_pairs = count_lines(src_path), count_lines(tgt_path)
+    if pairs != tgt_pairs:
+        raise UserError(f"{src_path} has {pairs} lines but {tgt_path} has {tgt_pairs}; they must be parallel")
+    if not pairs:
+        raise UserError(f"{src_path}: the {split} split is empty")
+    return vocab_size, pairs
+
+
+def _write_arrays(folder: Path, chunks: Iterator, dtype, max_tokens: int | None, counts: dict,
+                  longer_sides: np.ndarray) -> None:
+    """The encoded chunks' kept pairs appended to the split's arrays in ``folder``, as they come; ``counts``
+    and ``longer_sides`` (pairs by their longer side's tokens) count what was read and dropped."""
+    with contextlib.ExitStack() as stack:
+        arrays = {name: stack.enter_context(NpyWriter(folder / f"{name}.npy", kind))
+                  for name, kind in zip(SPLIT_ARRAYS, (dtype, np.int64, dtype, np.int64, np.int64))}
+        arrays["src.offsets"].append(np.zeros(1))
+        arrays["tgt.offsets"].append(np.zeros(1))
+        for src_flat, src_len, tgt_flat, tgt_len in chunks:
+            if max_tokens is None:  # evaluation splits: every sentence stays
+                empty = too_long = np.zeros(len(src_len), dtype=bool)
+            else:
+                empty = (src_len == 0) | (tgt_len == 0)
+                too_long = ~empty & ((src_len > max_tokens) | (tgt_len > max_tokens))
+            keep = ~(empty | too_long)
+            for side, flat, lengths in (("src", src_flat, src_len), ("tgt", tgt_flat, tgt_len)):
+                arrays[f"{side}.ids"].append(flat[np.repeat(keep, lengths)])
+                arrays[f"{side}.offsets"].append(counts[f"{side}_tokens"] + np.cumsum(lengths[keep]))
+                counts[f"{side}_tokens"] += int(lengths[keep].sum())
+            arrays["lines"].append(counts["pairs_in"] + np.flatnonzero(keep))
+            counts["pairs_in"] += len(keep)
+            counts["dropped_too_long"] += int(too_long.sum())
+            counts["dropped_empty"] += int(empty.sum())
+            longer_sides += np.bincount(np.minimum(np.maximum(src_len, tgt_len), _LENGTH_BINS),
+                                        minlength=_LENGTH_BINS + 1)
 
 
 def _too_few_kept(split: str, src_path, tgt_path, counts: dict, kept: int, max_tokens: int,

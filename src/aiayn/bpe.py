@@ -38,7 +38,6 @@ def learn_bpe(
     A setting left as None takes the schema's default (its ``bpe`` section), written only there.
     """
     import sentencepiece as spm
-    from tqdm import tqdm
 
     from aiayn.config import schema_default
 
@@ -64,35 +63,8 @@ def learn_bpe(
     created = not out_dir.exists()
     work.mkdir(parents=True)
     try:
-        prefix = str(work / SPM_PREFIX)
-        try:
-            with tqdm(total=lines, desc="bpe: reading", unit=" lines", mininterval=2.0, disable=None) as progress:
-                spm.SentencePieceTrainer.train(
-                    sentence_iterator=training_lines(train_files, progress),
-                    model_prefix=prefix,
-                    model_type="bpe",
-                    vocab_size=vocab_size,
-                    character_coverage=character_coverage,
-                    input_sentence_size=input_sentence_size,
-                    shuffle_input_sentence=True,
-                    num_threads=threads or os.cpu_count() or 1,
-                    pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-                    pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-                    # identity: decoding gives back exactly the text, so BLEU sees the real characters
-                    normalization_rule_name="identity",
-                    minloglevel=2,
-                )
-        except RuntimeError as error:
-            message = str(error)
-            limit = re.search(r"<= (\d+)", message)
-            if "Vocabulary size too high" in message or "vocab_size" in message:
-                at_most = f" (at most {limit.group(1)})" if limit else ""
-                raise UserError(
-                    f"bpe.vocab_size = {vocab_size} is more than the training data "
-                    f"({', '.join(str(p) for p in train_files)}) can support{at_most}; lower bpe.vocab_size "
-                    "in your config or use more training data"
-                ) from None
-            raise
+        _train_sentencepiece(train_files, str(work / SPM_PREFIX), lines, vocab_size, character_coverage,
+                             input_sentence_size, threads)
         for name in (SPM_MODEL, SPM_VOCAB):
             with atomic_path(out_dir / name) as tmp_path:
                 shutil.copyfile(work / name, tmp_path)
@@ -114,6 +86,43 @@ def learn_bpe(
     }
     write_json_atomic(out_dir / BPE_INFO, info)
     return info
+
+
+def _train_sentencepiece(train_files: list[str | Path], prefix: str, lines: int, vocab_size: int,
+                         character_coverage: float, input_sentence_size: int, threads: int | None) -> None:
+    """SentencePiece's BPE trainer over the training text, writing ``<prefix>.model`` and ``.vocab``; a
+    vocabulary larger than the text supports is the user's to lower."""
+    import sentencepiece as spm
+    from tqdm import tqdm
+
+    try:
+        with tqdm(total=lines, desc="bpe: reading", unit=" lines", mininterval=2.0, disable=None) as progress:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=training_lines(train_files, progress),
+                model_prefix=prefix,
+                model_type="bpe",
+                vocab_size=vocab_size,
+                character_coverage=character_coverage,
+                input_sentence_size=input_sentence_size,
+                shuffle_input_sentence=True,
+                num_threads=threads or os.cpu_count() or 1,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                # identity: decoding gives back exactly the text, so BLEU sees the real characters
+                normalization_rule_name="identity",
+                minloglevel=2,
+            )
+    except RuntimeError as error:
+        message = str(error)
+        limit = re.search(r"<= (\d+)", message)
+        if "Vocabulary size too high" in message or "vocab_size" in message:
+            at_most = f" (at most {limit.group(1)})" if limit else ""
+            raise UserError(
+                f"bpe.vocab_size = {vocab_size} is more than the training data "
+                f"({', '.join(str(p) for p in train_files)}) can support{at_most}; lower bpe.vocab_size "
+                "in your config or use more training data"
+            ) from None
+        raise
 
 
 def check_training_text(train_files: list[str | Path]) -> int:

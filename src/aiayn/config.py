@@ -12,19 +12,16 @@ receive as JSON. Under a user's files lie only the schema's defaults and the pap
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import math
-from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from aiayn import presets as paper
+from aiayn import schema
 from aiayn.config_files import check_command_line_configfiles, check_config_files, load_yaml  # noqa: F401
 from aiayn.errors import UserError
-
-# package data: the one copy of the schema, for the installed command and the workflow alike
-SCHEMA_PATH = resources.files("aiayn") / "config.schema.yaml"
+from aiayn.schema import SCHEMA_PATH, preset_default, section_defaults  # noqa: F401 (read here by the stages)
+from aiayn.schema import default as schema_default  # noqa: F401
 
 # Keys every resolved preset must have (after following `inherit`).
 PRESET_KEYS = (
@@ -96,13 +93,6 @@ def load_config(paths: Sequence[str | Path], overrides: dict | None = None) -> d
     return check_config(config, sources)
 
 
-def _key_text(path: Iterable[Any]) -> str:
-    text = ""
-    for part in path:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
-
-
 def _defined_in(key_path: Sequence[Any], sources: Sequence[str]) -> str:
     """The last source that sets ``key_path`` (the one whose value won the merge)."""
     for source in reversed(sources):
@@ -122,70 +112,26 @@ def _defined_in(key_path: Sequence[Any], sources: Sequence[str]) -> str:
 
 
 def _schema_error_message(error, sources: Sequence[str]) -> str:
-    path = list(error.absolute_path)
-    if error.validator == "additionalProperties":
-        allowed = sorted(error.schema.get("properties", {}))
-        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
-        key = _key_text(path + extra[:1])
-        where = _defined_in(path + extra[:1], sources)
-        hint = f"allowed keys here: {', '.join(allowed)}" if allowed else "no keys are allowed here"
-        return f"{where}: unknown key {key} ({hint}; see config/README.md)"
-    where = _defined_in(path, sources)
-    key = _key_text(path)
-    if error.validator == "enum":
-        allowed = ", ".join(str(v) for v in error.validator_value)
-        return f"{where}: {key} = {error.instance!r} is not allowed (allowed values: {allowed})"
-    if error.validator == "required":
-        demo = "" if path or any(Path(source).name == "config.yaml" for source in sources) else (
-            "; the demo's config/config.yaml is not read under yours: to build on it, name it first, "
-            "--configfile config/config.yaml " + str(sources[-1] if sources else "yours.yaml"))
-        return f"{where}: {error.message} at {key} (see config/README.md{demo})"
-    if error.validator == "type" and isinstance(error.instance, float) and not math.isfinite(error.instance):
-        return f"{where}: {key} = {error.instance!r} is not a finite number"
-    if error.validator == "type" and isinstance(error.instance, float) and "integer" in error.validator_value:
-        whole = f"write {int(error.instance)}" if error.instance.is_integer() else "a whole number is needed"
-        return f"{where}: {key} = {error.instance!r} is not a whole number as written ({whole}, without a decimal point)"
-    description = error.schema.get("description")
-    extra = f" ({description})" if description else ""
-    return f"{where}: {key} = {error.instance!r}: {error.message}{extra}"
-
-
-def _validator(schema: dict):
-    """JSON Schema's draft 2020-12, except that an integer is written as one (the standard counts 32.0 as
-    the integer 32, which a layer size or a step count then takes as a float, failing later or not at all)
-    and a number is finite (YAML's .nan and .inf pass the standard's type and every bound)."""
-    import jsonschema
-
-    base = jsonschema.Draft202012Validator
-    checker = base.TYPE_CHECKER.redefine_many({
-        "integer": lambda _, value: isinstance(value, int) and not isinstance(value, bool),
-        "number": lambda _, value: (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                    and math.isfinite(value))})
-    return jsonschema.validators.extend(base, type_checker=checker)(schema)
+    """A schema error naming the source that set the value (the last file, or an option, that sets it)."""
+    demo = "" if any(Path(source).name == "config.yaml" for source in sources) else (
+        "; the demo's config/config.yaml is not read under yours: to build on it, name it first, "
+        "--configfile config/config.yaml " + str(sources[-1] if sources else "yours.yaml"))
+    return schema.error_message(error, lambda path: _defined_in(path, sources), demo)
 
 
 def check_config(config: dict, sources: Sequence[str]) -> dict:
-    """Validate against the schema with Snakemake's ``validate`` (filling defaults), then check presets.
+    """Validate against the schema once (its one validator), fill the schema's defaults, then check presets.
 
     Returns the config with defaults filled in. Raises UserError naming the file and key.
     """
-    import jsonschema
-    from snakemake.exceptions import WorkflowError
-    from snakemake.utils import validate
-
-    schema = _schema()
     config = paper.with_paper_presets(config)
-    validator = _validator(schema)
-    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
-    if errors:
-        raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), sources))
+    error = schema.first_error(schema.parsed(), config)
+    if error is not None:
+        raise UserError(_schema_error_message(error, sources))
     _check_data_source(config.get("data", {}), lambda key: _defined_in(["data", key], sources))
     config = copy.deepcopy(config)
     presets = config.pop("presets")  # their defaults are filled after `inherit` (resolve_preset), not here
-    try:
-        validate(config, str(SCHEMA_PATH), set_default=True)
-    except WorkflowError as error:  # our own pass above should have caught it first
-        raise UserError(f"{', '.join(sources)}: {error}") from None
+    schema.fill_defaults(schema.parsed(), config)
     config["presets"] = presets
     for name in config["models"]:
         resolve_preset(config, name, sources)
@@ -231,7 +177,7 @@ def resolve_preset(config: dict, name: str, sources: Sequence[str] = ("config",)
         resolved = merge(resolved, {k: v for k, v in presets[preset_name].items() if k not in ("inherit", "paper")})
     # the paper's numbers belong to one row of a table; they are never inherited
     resolved["paper"] = copy.deepcopy(presets[name].get("paper", {}))
-    resolved = paper.fill_defaults(resolved, _schema())
+    resolved = paper.fill_defaults(resolved, schema.parsed())
     missing = [key for key in PRESET_KEYS if key not in resolved]
     if missing:
         where = _defined_in(["presets", chain[-1]], sources)
@@ -272,7 +218,8 @@ def _heads_set_in(chain: Sequence[str], sources: Sequence[str]) -> str:
 def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "n_heads") -> None:
     """Section 3.2.2's d_k = d_model / h: without an explicit d_head, n_heads must divide d_model.
 
-    The one check for presets and ``ModelConfig`` alike; `setting` names the value in the message.
+    A config's presets, held to the model's own rule (``aiayn.model.check_heads``, which this module does
+    not import: the model imports torch) with the same message (tests/test_imports.py holds the two equal).
     """
     if d_head is None and d_model % n_heads:
         divisors = [n for n in range(1, d_model + 1) if d_model % n == 0]
@@ -327,68 +274,16 @@ def parse_with_config(parser, argv, defaults) -> tuple[Any, dict | None]:
     return parser.parse_args(argv), config
 
 
-@functools.lru_cache(maxsize=1)
-def _parsed_schema() -> dict:
-    import yaml
-
-    return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
-
-
-def _schema() -> dict:
-    """The schema, read and parsed once a process (every preset's resolution asks for it); a copy, so that
-    no caller can change what the next one reads."""
-    return copy.deepcopy(_parsed_schema())
-
-
-def schema_default(key: str) -> Any:
-    """The schema's default for a dotted key (``"bpe.vocab_size"``), for code that needs one outside a
-    config (a command-line option, a function's keyword): the schema stays the one place it is written."""
-    node = _schema()
-    for part in key.split("."):
-        node = node["properties"][part]
-    return copy.deepcopy(node["default"])
-
-
-def preset_default(key: str) -> Any:
-    """The schema's default for an optional preset key (``budget_intervals``), which a preset left
-    without it takes where it is read (filled into presets, it would change every finished run's params)."""
-    return copy.deepcopy(_schema()["$defs"]["preset"]["properties"][key]["default"])
-
-
-def section_schema(section: str) -> dict:
-    """The schema of one top-level section (``data``, ``bpe``, ``train``, ...), standing on its own."""
-    schema = _schema()
-    return {"$defs": schema.get("$defs", {}), **schema["properties"][section]}
-
-
-def section_defaults(section: str) -> dict:
-    """A section with nothing set: every key at the schema's default (the one place defaults are written)."""
-    return check_section(section, {}, "defaults")
-
-
-def _fill_defaults(schema: dict, values: dict) -> None:
-    for key, child in schema.get("properties", {}).items():
-        if key not in values and "default" in child:
-            values[key] = copy.deepcopy(child["default"])
-        if isinstance(values.get(key), dict):
-            _fill_defaults(child, values[key])
-
-
 def check_section(section: str, values: Any, source: str) -> dict:
     """One section given on its own (``--<section>-json``, what the Snakefile passes, or by hand):
     checked against its part of the schema and filled with the schema's defaults, as a whole config is."""
-    import jsonschema
-
-    validator = _validator(section_schema(section))
-    errors = sorted(validator.iter_errors(values), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
-    if errors:
-        error = jsonschema.exceptions.best_match(errors)
-        error.path.appendleft(section)
+    error = schema.first_error(schema.section_schema(section), values, [section])
+    if error is not None:
         raise UserError(_schema_error_message(error, [source]))
     if section == "data":
         _check_data_source(values, lambda key: source)
     values = copy.deepcopy(values)
-    _fill_defaults(section_schema(section), values)
+    schema.fill_defaults(schema.section_schema(section), values)
     return values
 
 

@@ -18,58 +18,22 @@ import socket
 import sys
 import tempfile
 import urllib.parse
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from aiayn.errors import UserError, cli
 from aiayn.reading import count_lines, iter_lines
-from aiayn.writing import (missing_folders, prepare_output, refuse_overwriting_inputs, remove_empty_folders, temporary_prefix, write_json_atomic)
-from aiayn.data_checks import held_out_notes, warnings
-from aiayn.layout import DATA_STATS, text_name
+from aiayn.folders import missing_folders, remove_empty_folders
+from aiayn.writing import prepare_output, refuse_overwriting_inputs, temporary_prefix, write_json_atomic
+from aiayn.data_checks import SplitSource, SplitStats, held_out_notes, warnings
+from aiayn.layout import DATA_STATS, SPLITS, text_name
 
-SPLITS = ("train", "dev", "test")
 BATCH_PAIRS = 10_000  # pairs read, cleaned and written at a time: the stage's memory is a few batches
-
-
-@dataclass
-class SplitStats:
-    pairs_read: int = 0
-    pairs_written: int = 0
-    dropped_empty: int = 0
-    dropped_long: int = 0
-    dropped_ratio: int | None = None  # only counted (and recorded) when data.max_length_ratio is set
-    newlines_replaced: int = 0
-    # accepted, but counted and warned about (``warnings``)
-    whitespace_trimmed: int = 0   # pairs with whitespace around a side, removed
-    moses_escaped: int = 0        # pairs that look tokenized or Moses-escaped (&apos; &quot; @-@)
-    identical_sides: int = 0      # pairs whose source and target text are the same
-    empty_side_kept: int = 0      # dev/test pairs with an empty side (train drops them: dropped_empty)
-    src_words: int = 0
-    tgt_words: int = 0
-    origin: list[str] = field(default_factory=list)
-    first_pair: dict[str, int] = field(default_factory=dict)  # the first pair of each count above, 1-based
-
-    def as_json(self) -> dict:
-        return {key: value for key, value in vars(self).items() if value is not None and key != "first_pair"}
-
-    def count(self, what: str, pair: int) -> None:
-        setattr(self, what, getattr(self, what) + 1)
-        self.first_pair.setdefault(what, pair)
 
 
 # What Moses' tokenizer leaves in text: its XML escapes and its split hyphens, commas and points.
 # (&amp;, &lt; and &gt; are left out: raw web text has them too.)
 MOSES_MARKS = re.compile(r"&(?:apos|quot|#124|#91|#93);| @[-,.]@ ")
-
-
-@dataclass
-class SplitSource:
-    """One split of a source, opened and checked but not read: ``batches()`` streams its pairs."""
-
-    origin: list[str]
-    batches: Callable[[], Iterator[tuple[list[str], list[str]]]]
-    pairs: int | None = None  # when known beforehand (the progress bar's total)
 
 
 def clean_pairs(src: list[str], tgt: list[str], split: str, max_chars: int | None, stats: SplitStats,

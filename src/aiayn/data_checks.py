@@ -1,17 +1,52 @@
-"""The download stage's checks of a corpus as a whole: what it refuses (a test split that is the
-training data) and the warnings it prints and keeps in stats.json (pairs that look Moses-escaped,
-identical sides, empty dev/test sides, trimmed whitespace, a dev split that is the training data).
+"""The download stage's splits and its checks of a corpus as a whole: a split as opened
+(``SplitSource``) and as counted (``SplitStats``, stats.json's numbers), what the stage refuses (a test
+split that is the training data) and the warnings it prints and keeps in stats.json (pairs that look
+Moses-escaped, identical sides, empty dev/test sides, trimmed whitespace, a dev split that is the
+training data).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from aiayn.errors import UserError
 from aiayn.reading import same_file
 
-if TYPE_CHECKING:
-    from aiayn.data import SplitSource, SplitStats
+
+@dataclass
+class SplitStats:
+    pairs_read: int = 0
+    pairs_written: int = 0
+    dropped_empty: int = 0
+    dropped_long: int = 0
+    dropped_ratio: int | None = None  # only counted (and recorded) when data.max_length_ratio is set
+    newlines_replaced: int = 0
+    # accepted, but counted and warned about (``warnings``)
+    whitespace_trimmed: int = 0   # pairs with whitespace around a side, removed
+    moses_escaped: int = 0        # pairs that look tokenized or Moses-escaped (&apos; &quot; @-@)
+    identical_sides: int = 0      # pairs whose source and target text are the same
+    empty_side_kept: int = 0      # dev/test pairs with an empty side (train drops them: dropped_empty)
+    src_words: int = 0
+    tgt_words: int = 0
+    origin: list[str] = field(default_factory=list)
+    first_pair: dict[str, int] = field(default_factory=dict)  # the first pair of each count above, 1-based
+
+    def as_json(self) -> dict:
+        return {key: value for key, value in vars(self).items() if value is not None and key != "first_pair"}
+
+    def count(self, what: str, pair: int) -> None:
+        setattr(self, what, getattr(self, what) + 1)
+        self.first_pair.setdefault(what, pair)
+
+
+@dataclass
+class SplitSource:
+    """One split of a source, opened and checked but not read: ``batches()`` streams its pairs."""
+
+    origin: list[str]
+    batches: Callable[[], Iterator[tuple[list[str], list[str]]]]
+    pairs: int | None = None  # when known beforehand (the progress bar's total)
 
 
 def held_out_notes(data: dict, sources: dict[str, SplitSource]) -> list[str]:

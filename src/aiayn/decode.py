@@ -27,6 +27,7 @@ from aiayn.errors import UserError, cli
 from aiayn.search import Hypothesis, SearchConfig, SearchModel, beam_search
 from aiayn.speed.decoder_cache import ScratchBuffers
 from aiayn.speed.incremental import InferenceModel
+from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
 
 # decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
@@ -185,7 +186,7 @@ def search_batches(
     thread runs with less overhead than two sharing each operator, so workers of one thread each
     decode faster than one worker with all the threads (BENCHMARKS.md).
     on_done(sentences) is called as each batch finishes (from the calling thread).
-    Under inference_mode, with bf16 autocast on CUDA.
+    Under inference_mode, with bf16 autocast on CUDA, with the search's fast steps (``FAST_STEPS``).
     """
     from aiayn.config import check_value, schema_default
 
@@ -205,7 +206,7 @@ def search_batches(
         # inference_mode and autocast are per thread, so each worker enters them itself.
         autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         with torch.inference_mode(), autocast:
-            return beam_search(model, batch, config, per_thread.scratch)
+            return beam_search(model, batch, config, per_thread.scratch, FAST_STEPS)
 
     results: list[list[list[Hypothesis]]] = [[] for _ in batches]
     # Most sentences first (each costs a decoder row per beam and step; source length matters less): a

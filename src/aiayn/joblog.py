@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
+from aiayn.errors import UserError
+from aiayn.folders import missing_folders, remove_empty_folders
+
 USER_ERROR = 2
 KEPT_LOG = 1 << 20  # the end of a failed attempt's log that a skipped retry puts back
 
@@ -73,8 +76,6 @@ def pending_log() -> Path | None:
 def refuse_log(message: str) -> None:
     """The pending log may not be written: it is never opened, and ``message`` (a UserError's) ends up
     on the terminal with whatever the stage printed."""
-    from aiayn.errors import UserError
-
     _Log.state = "refused"
     raise UserError(message)
 
@@ -85,8 +86,6 @@ def claim_log() -> None:
     if log.is_dir():
         refuse_log(f"--log {log} is a folder; give the log a file name (e.g. {log / 'job.log'}) "
                    "(nothing was read or written)")
-    from aiayn.writing import missing_folders, remove_empty_folders
-
     created = missing_folders(log)
     try:
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -155,8 +154,6 @@ def _settle_log(log: Path, command: Sequence[str], status: int) -> int:
     outputs, or failed before it did) unless the command line names it; a refused one gives the
     terminal back what the stage printed. Returns the exit status."""
     if _Log.state == "pending":  # a stage that never checked its outputs (or failed before it did)
-        from aiayn.errors import UserError
-
         try:
             named = _names_an_argument(log, command)
             if named is not None:

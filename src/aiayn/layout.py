@@ -10,6 +10,9 @@ from __future__ import annotations
 import re
 
 # download: results/<experiment>/data/
+SPLITS = ("train", "dev", "test")  # a corpus's splits, in the order the stages write them
+
+
 def text_name(split: str, lang: str) -> str:
     """A split's plain text, one sentence a line."""
     return f"{split}.{lang}"

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import check_heads
 from aiayn.errors import UserError
 from aiayn.tokens import PAD_ID
 
@@ -93,6 +92,18 @@ class ModelConfig:
         if "vocab_size" not in values:
             raise UserError("vocab_size is missing from the model settings (it comes from the vocabulary)")
         return cls(**values)
+
+
+def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "n_heads") -> None:
+    """Section 3.2.2's d_k = d_model / h: without an explicit d_head, n_heads must divide d_model.
+
+    The model's own rule (a config's presets are held to the same one where they are read, naming the
+    file: ``aiayn.config``); ``setting`` names the value in the message."""
+    if d_head is None and d_model % n_heads:
+        divisors = [n for n in range(1, d_model + 1) if d_model % n == 0]
+        choices = ", ".join(str(n) for n in divisors[:5]) + (", ..." if len(divisors) > 5 else "")
+        raise UserError(f"{setting} = {n_heads} does not divide d_model = {d_model} "
+                        f"(set d_head explicitly, or choose n_heads in {choices})")
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:

@@ -6,11 +6,13 @@ over sentences x beams, driven by a model's cached one-token step (``SearchModel
 Transformer, ``aiayn.speed.incremental.InferenceModel``). It reads as OpenNMT-py's ``beam_search.py``
 and fairseq's ``sequence_generator.py`` do: score the candidates, finish those that end, keep the best
 live ones, decide which sentences stop (``search_ends``, every stopping rule in one place), reorder the
-cache. What exists only for speed (fewer copies and host reads, a faster top-k) is
-``aiayn.speed.search_steps``; the decode stage's files, batches and threads are ``aiayn.decode``.
+cache. It stands alone: what exists only for speed (fewer copies and host reads, a faster top-k) plugs
+in from outside as ``SearchSteps`` (``aiayn.speed.search_steps.FAST_STEPS``, which the decode stage
+passes), and equals the plain steps written here; the decode stage's files, batches and threads are
+``aiayn.decode``.
 
-Top-down: the search settings, the model it drives, the length penalty, the beam search, its stopping
-rules, its state, and the greedy reference decoder.
+Top-down: the search settings, the model and cache it drives, the steps a faster path may replace, the
+length penalty, the beam search, its stopping rules, its state, and the greedy reference decoder.
 """
 
 from __future__ import annotations
@@ -19,15 +21,14 @@ import dataclasses
 import functools
 import math
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.config import check_section, section_defaults
+from aiayn import schema
 from aiayn.errors import UserError
-from aiayn.speed.search_steps import next_rows, reads_are_free, stable_slots, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -40,7 +41,7 @@ SEARCH_KEYS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_wh
 def paper_search() -> dict:
     """The schema's defaults of SEARCH_KEYS, the one home of the paper's search settings. Read when a
     SearchConfig is first made, not at import: this module imports with torch alone."""
-    paper = section_defaults("decode")
+    paper = schema.section_defaults("decode")
     return {key: paper[key] for key in SEARCH_KEYS}
 
 
@@ -70,7 +71,7 @@ class SearchConfig:
 
     def __post_init__(self, checked: bool) -> None:
         if not checked:
-            check_section("decode", {key: getattr(self, key) for key in SEARCH_KEYS}, "SearchConfig")
+            schema.check_values("decode", {key: getattr(self, key) for key in SEARCH_KEYS}, "SearchConfig")
         if isinstance(self.n_best, bool) or not isinstance(self.n_best, int) or self.n_best < 1:
             raise UserError(f"n_best = {self.n_best!r} must be a whole number of at least 1")
         if self.n_best > self.beam_size:
@@ -104,20 +105,109 @@ class Hypothesis:
     log_prob: float  # the sum of the token log-probabilities, the final EOS included
 
 
+@runtime_checkable
+class SearchCache(Protocol):
+    """The model's decoder cache, as a search step drives it: the search passes it back to the model and,
+    once a step, has it keep the rows of the hypotheses that go on (``aiayn.speed.decoder_cache.DecoderCache``
+    documents the arguments)."""
+
+    filled: int  # the positions fed so far
+
+    def reorder(self, index: Tensor, sources: Tensor | None = None, starts: Tensor | None = None,
+                copied: int | None = None) -> SearchCache:
+        """Keep rows ``index``, in that order (with ``sources``: regrouped, new source j the old sources[j])."""
+
+    def copy_starts(self, index: Tensor, sources: Tensor | None = None) -> Tensor:
+        """(rows,) the first position that ``reorder(index, sources)`` copies into each row."""
+
+
 class SearchModel(Protocol):
     """What the search drives: an encoder and a cached one-token decoder step
-    (``aiayn.speed.incremental.InferenceModel`` documents the arguments). The cache is the model's own;
-    the search only passes it back and, once a step, asks it to keep the surviving rows
-    (``aiayn.speed.decoder_cache.DecoderCache.reorder``). A model with a ``config`` whose positional
-    is "learned" caps the output length there."""
+    (``aiayn.speed.incremental.InferenceModel`` documents the arguments). The cache is the model's own.
+    A model with a ``config`` whose positional is "learned" caps the output length there."""
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def init_cache(
         self, memory: Tensor, src_pad: Tensor, max_len: int, group: int = 1, capacity: int = 0, scratch: Any = None,
-    ) -> Any: ...
+    ) -> SearchCache: ...
 
-    def decode_step(self, tokens: Tensor, position: int, cache: Any) -> Tensor: ...
+    def decode_step(self, tokens: Tensor, position: int, cache: SearchCache) -> Tensor: ...
+
+
+@dataclass
+class NextRows:
+    """Which sentences and rows the next step decodes."""
+
+    ended: int  # sentences whose search ended at this step
+    kept: Tensor | None  # (going on,) the sentences that go on, in their new order; None when none ended
+    rows: Tensor  # (going on * beam,) each live hypothesis's parent row, in the order of `kept`
+
+
+@runtime_checkable
+class SearchSteps(Protocol):
+    """The parts of a step that a faster path may do its own way, with the same hypotheses: the plain steps
+    (``PlainSteps``), or faster ones plugged in from outside (``aiayn.speed.search_steps.FastSteps``: fewer
+    host reads on the CPU, fewer cache copies, a faster top-k)."""
+
+    def log_probs(self, logits: Tensor, force_eos: Tensor) -> Tensor:
+        """(rows, vocab) logits -> float32 log-probs, pad and BOS never chosen, EOS forced where force_eos."""
+
+    def top_k(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """scores.topk(k, dim=1): the values exactly, the indices among equal scores possibly others."""
+
+    def slots(self, parents: Tensor) -> Tensor:
+        """(sentences, beam) the parent of each surviving candidate -> the beam slot each one takes."""
+
+    def may_be_set(self, flags: Tensor) -> bool:
+        """False only when no flag is set (then a step skips work); True where reading them would cost more."""
+
+    def next_rows(self, cache: SearchCache, parent_rows: Tensor, done: Tensor, step: int) -> NextRows:
+        """parent_rows (active, beam), done (active,) -> the sentences that go on, and the cache reordered
+        for them, unless every sentence ended."""
+
+
+class PlainSteps:
+    """The search's steps as plainly written: a masked fill, torch's top-k, hypotheses in rank order, the
+    cache reordered by the rows that go on."""
+
+    def log_probs(self, logits: Tensor, force_eos: Tensor) -> Tensor:
+        log_probs = token_log_probs(logits)
+        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
+        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
+
+    def top_k(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return scores.topk(k, dim=1)
+
+    def slots(self, parents: Tensor) -> Tensor:
+        return torch.arange(parents.shape[1], device=parents.device).expand_as(parents)
+
+    def may_be_set(self, flags: Tensor) -> bool:
+        return True
+
+    def next_rows(self, cache: SearchCache, parent_rows: Tensor, done: Tensor, step: int) -> NextRows:
+        active, beam = parent_rows.shape
+        ended = int(done.sum())
+        kept = (~done).nonzero().squeeze(1) if ended else None
+        if ended == active:
+            return NextRows(ended, kept, parent_rows.new_empty(0))
+        rows = (parent_rows if kept is None else parent_rows[kept]).reshape(-1)
+        # The first step had one row per sentence: the rows are the parents' sentences, grown into beams.
+        cache_rows = rows // beam if step == 0 else rows
+        sources = kept if kept is not None or step > 0 else torch.arange(active, device=done.device)
+        cache.reorder(cache_rows, sources=sources)
+        return NextRows(ended, kept, rows)
+
+
+PLAIN_STEPS = PlainSteps()
+
+
+def token_log_probs(logits: Tensor) -> Tensor:
+    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    log_probs[:, PAD_ID] = -math.inf
+    log_probs[:, BOS_ID] = -math.inf
+    return log_probs
 
 
 def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
@@ -139,7 +229,8 @@ def max_output_lengths(src: Tensor, max_len_a: float, max_len_b: int, pad_id: in
 
 @torch.no_grad()
 def beam_search(
-    model: SearchModel, src: Tensor, config: SearchConfig | None = None, scratch: Any = None
+    model: SearchModel, src: Tensor, config: SearchConfig | None = None, scratch: Any = None,
+    steps: SearchSteps = PLAIN_STEPS,
 ) -> list[list[Hypothesis]]:
     """src (batch, src_len), right-padded with 0 -> for each sentence its config.n_best hypotheses, best first.
 
@@ -151,14 +242,14 @@ def beam_search(
     wait for long ones.
 
     `scratch` goes to the model's init_cache: a thread that searches batch after batch passes the
-    same ``ScratchBuffers`` to each, so that their caches reuse one memory.
+    same ``ScratchBuffers`` to each, so that their caches reuse one memory. `steps`: the plain steps, or
+    faster ones with the same hypotheses (``SearchSteps``).
     """
     config = config or SearchConfig()
     beam = config.beam_size
     batch = src.shape[0]
     if batch == 0:
         return []
-    reads_free = reads_are_free(src.device)
     max_lens = _output_lengths(model, src, config.max_len_a, config.max_len_b).to(src.device)
     longest = int(max_lens.max())
     memory, src_pad = model.encode(src)
@@ -169,12 +260,12 @@ def beam_search(
     beams = _Beams.start(max_lens, beam, config.n_best, width=longest + 1)
     for step in range(longest + 1):
         force_eos = beams.max_lens.eq(step)[:, None].expand_as(beams.live_log_probs).reshape(-1)
-        log_probs = _step_log_probs(model.decode_step(beams.last_tokens, step, cache), force_eos, reads_free)
-        candidates = _Candidates.best(log_probs, beams.live_log_probs, beam)
-        beams.finish(candidates, step, config.length_penalty, reads_free)
-        parent_rows, new_tokens = beams.continue_live(candidates)
+        log_probs = steps.log_probs(model.decode_step(beams.last_tokens, step, cache), force_eos)
+        candidates = _Candidates.best(log_probs, beams.live_log_probs, beam, steps)
+        beams.finish(candidates, step, config.length_penalty, steps)
+        parent_rows, new_tokens = beams.continue_live(candidates, steps)
         done = search_ends(beams, candidates, step, config)
-        going_on = next_rows(cache, parent_rows, done, step, reads_free)  # reorders the cache
+        going_on = steps.next_rows(cache, parent_rows, done, step)  # reorders the cache
         if going_on.ended:
             beams.write_results()
             if going_on.ended == beams.active:
@@ -236,14 +327,14 @@ class _Candidates:
     rows: Tensor  # the parent's row of the live tokens (sentence * beam + slot)
 
     @classmethod
-    def best(cls, log_probs: Tensor, live_log_probs: Tensor, beam: int) -> _Candidates:
+    def best(cls, log_probs: Tensor, live_log_probs: Tensor, beam: int, steps: SearchSteps) -> _Candidates:
         """log_probs (active * rows, vocab) of the next token, live_log_probs (active, rows)."""
         active, rows = live_log_probs.shape  # rows: 1 at the first step, then beam
         vocab = log_probs.shape[1]
         totals = log_probs.add_(live_log_probs.reshape(-1, 1)).view(active, rows * vocab)
         if totals.shape[1] < 2 * beam:  # a first step over a vocabulary smaller than the candidates kept
             totals = F.pad(totals, (0, 2 * beam - totals.shape[1]), value=-math.inf)
-        top_log_probs, top_index = top_k(totals, 2 * beam)  # (active, 2 * beam), best first
+        top_log_probs, top_index = steps.top_k(totals, 2 * beam)  # (active, 2 * beam), best first
         parents = torch.div(top_index, vocab, rounding_mode="floor")
         rows_of_parents = (torch.arange(active, device=parents.device) * beam)[:, None] + parents
         return cls(top_log_probs, parents, top_index % vocab, rows_of_parents)
@@ -295,15 +386,14 @@ class _Beams:
     def beam(self) -> int:
         return self.finished_scores.shape[1]
 
-    def finish(self, candidates: _Candidates, step: int, alpha: float, reads_free: bool) -> None:
+    def finish(self, candidates: _Candidates, step: int, alpha: float, steps: SearchSteps) -> None:
         """The EOS candidates among the top beam_size finish (their score divided by the length penalty)
-        and merge with the earlier ones, keeping the best beam_size. On the CPU a step where nothing
-        ends skips the merge (its concatenations and gathers); elsewhere asking would cost a device
-        synchronisation."""
+        and merge with the earlier ones, keeping the best beam_size. A step where nothing ends may skip
+        the merge (its concatenations and gathers), where the steps can tell cheaply (the CPU's)."""
         beam, width = self.beam, self.live_tokens.shape[1]
         top_log_probs = candidates.log_probs[:, :beam]
         ends = candidates.tokens[:, :beam].eq(EOS_ID) & top_log_probs.isfinite()
-        if reads_free and not bool(ends.any()):
+        if not steps.may_be_set(ends):
             return
         end_log_probs = top_log_probs.masked_fill(~ends, -math.inf)
         end_scores = end_log_probs / length_penalty(step + 1.0, alpha)
@@ -315,16 +405,16 @@ class _Beams:
             1, merged_index[:, :, None].expand(-1, -1, width)
         )
 
-    def continue_live(self, candidates: _Candidates) -> tuple[Tensor, Tensor]:
+    def continue_live(self, candidates: _Candidates, steps: SearchSteps) -> tuple[Tensor, Tensor]:
         """The best beam_size candidates that do not end stay live (there are at least beam_size of them,
-        as each live hypothesis has one EOS among its candidates), in the slots of their parents where
-        they can (``stable_slots``), so that only the cached keys and values of beams that branch are
-        copied. Sets their log-probs; returns the rows of their parents (active, beam) and their new
-        tokens (active, beam), in slot order."""
+        as each live hypothesis has one EOS among its candidates), in the slots ``steps.slots`` gives them
+        (the fast steps: their parents' where they can, so that only the cached keys and values of beams
+        that branch are copied). Sets their log-probs; returns the rows of their parents (active, beam)
+        and their new tokens (active, beam), in slot order."""
         beam = self.beam
         rank = torch.arange(2 * beam, device=candidates.tokens.device)
         live = (candidates.tokens.eq(EOS_ID).long() * 2 * beam + rank).argsort(dim=1)[:, :beam]
-        slots = stable_slots(candidates.parents.gather(1, live))
+        slots = steps.slots(candidates.parents.gather(1, live))
         live = live.gather(1, slots.argsort(dim=1))  # slot order, no longer best first
         self.live_log_probs = candidates.log_probs.gather(1, live)
         return candidates.rows.gather(1, live), candidates.tokens.gather(1, live)
@@ -347,26 +437,6 @@ class _Beams:
         self.live_tokens = self.live_tokens[keep_rows]
         self.live_tokens[:, step] = new_tokens.reshape(-1)
         self.last_tokens = self.live_tokens[:, step]
-
-
-def _step_log_probs(logits: Tensor, force_eos: Tensor, reads_free: bool = True) -> Tensor:
-    """(rows, vocab) logits -> float32 log-probs with pad and BOS never chosen and EOS forced where asked.
-
-    With reads_free (the CPU) only the rows at their maximum length are touched, found by reading
-    force_eos; otherwise one masked fill over all rows does the same without reading it.
-    """
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    log_probs[:, PAD_ID] = -math.inf
-    log_probs[:, BOS_ID] = -math.inf
-    if not reads_free:
-        not_eos = torch.arange(log_probs.shape[1], device=log_probs.device).ne(EOS_ID)
-        return log_probs.masked_fill_(force_eos[:, None] & not_eos, -math.inf)
-    forced = force_eos.nonzero().squeeze(1)
-    if forced.numel():  # only rows at their maximum length: most steps touch no row here
-        eos = log_probs[forced, EOS_ID]
-        log_probs[forced] = -math.inf
-        log_probs[forced, EOS_ID] = eos
-    return log_probs
 
 
 def _output_lengths(model: SearchModel, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
@@ -398,7 +468,7 @@ def _hypotheses(scores: Tensor, log_probs: Tensor, tokens: Tensor) -> list[list[
 @torch.no_grad()
 def greedy_search(
     model: SearchModel, src: Tensor, max_len_a: float | None = None, max_len_b: int | None = None,
-    length_penalty_alpha: float | None = None
+    length_penalty_alpha: float | None = None, steps: SearchSteps = PLAIN_STEPS,
 ) -> list[Hypothesis]:
     """The reference decoder: the most probable next token at every step, with the same cache and limits
     (those left out: the schema's, as SearchConfig's).
@@ -418,9 +488,8 @@ def greedy_search(
     log_prob = torch.zeros(batch, dtype=torch.float32, device=src.device)
     finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
     last = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
-    reads_free = reads_are_free(src.device)
     for step in range(longest + 1):
-        log_probs = _step_log_probs(model.decode_step(last, step, cache), max_lens.eq(step), reads_free)
+        log_probs = steps.log_probs(model.decode_step(last, step, cache), max_lens.eq(step))
         best_log_prob, last = log_probs.max(dim=-1)
         log_prob += torch.where(finished, 0.0, best_log_prob)
         tokens[:, step] = torch.where(finished, PAD_ID, last)

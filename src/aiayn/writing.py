@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Mapping, Union
 
+from aiayn import joblog
 from aiayn.errors import UserError
+from aiayn.folders import missing_folders, remove_empty_folders
 
 # --- outputs that are inputs ------------------------------------------------------------------
 
@@ -139,8 +141,6 @@ def refuse_replacing_a_folder(option: str, folder: str | os.PathLike, marker: st
 def _check_the_log(outputs: Mapping[str, Paths], inputs: Mapping[str, Paths],
                    replaced_folders: Mapping[str, str | os.PathLike | None]) -> None:
     """Claim the pending ``--log`` if it is none of the inputs, outputs or replaced folders' files."""
-    from aiayn import joblog
-
     log = joblog.pending_log()
     if log is None:
         return
@@ -216,20 +216,6 @@ def _remove_stale(folder: Path, prefix: str, pattern: re.Pattern) -> list[Path]:
             entry.unlink(missing_ok=True)
         removed.append(entry)
     return removed
-
-
-def missing_folders(path: str | os.PathLike) -> list[Path]:
-    """The folders above ``path`` that do not exist yet, deepest first: what making it would create."""
-    return [parent for parent in Path(path).parents if not parent.exists()]
-
-
-def remove_empty_folders(folders: Iterable[Path]) -> None:
-    """Remove each of ``folders`` (deepest first) that is empty: what a failed stage made for its output."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty (or already gone): leave it, and everything above it
-            return
 
 
 def prepare_output(target: str | os.PathLike, directory: bool = False, create: bool = True) -> Path:

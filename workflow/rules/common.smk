@@ -57,7 +57,6 @@ config.update(_validated)
 RESULTS = f"results/{config['experiment']}"
 SRC = config["data"]["src_lang"]
 TGT = config["data"]["tgt_lang"]
-SPLITS = ["train", "dev", "test"]
 PRESETS = resolve_presets(config)
 # The logs as they were before any job ran: what changed was written by this run's jobs.
 LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
@@ -66,7 +65,7 @@ LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
 wildcard_constraints:
     model="|".join(sorted(PRESETS)),
     seed=r"\d+",
-    split="train|dev|test",
+    split="|".join(layout.SPLITS),
     format="ctranslate2|huggingface",
 
 

@@ -2,7 +2,7 @@ rule download:
     input:
         local_inputs(),
     output:
-        texts=[data_text(split, lang) for split in SPLITS for lang in (SRC, TGT)],
+        texts=[data_text(split, lang) for split in layout.SPLITS for lang in (SRC, TGT)],
         stats=f"{RESULTS}/data/{layout.DATA_STATS}",
     params:
         data=to_json(config["data"]),

@@ -1,19 +1,22 @@
 """What the beam search (``aiayn.search``) does only for speed: fewer copies, fewer host reads, a faster top-k.
 
-None of it changes a result; tests/test_search.py holds the search to a slow reference and the
-accelerator path to the CPU's. ``reads_are_free`` tells the two paths apart: on the CPU a read of a
-tensor's value costs nothing, so a step reads to skip work most steps do not need; on an accelerator
-each read waits for the device (a synchronisation), so a step reads one small tensor (``next_rows``).
+``FAST_STEPS`` plugs into the search as its ``SearchSteps`` (the decode stage passes it). None of it
+changes a result; tests/test_search.py holds these steps to the plain ones, the search to a slow
+reference and the accelerator path to the CPU's. ``reads_are_free`` tells the two paths apart: on the
+CPU a read of a tensor's value costs nothing, so a step reads to skip work most steps do not need; on
+an accelerator each read waits for the device (a synchronisation), so a step reads one small tensor
+(``next_rows``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
 from torch import Tensor
 
-from aiayn.speed.decoder_cache import DecoderCache
+from aiayn.search import PLAIN_STEPS, NextRows, SearchCache, token_log_probs
+from aiayn.tokens import EOS_ID
 
 
 def reads_are_free(device: torch.device) -> bool:
@@ -80,16 +83,21 @@ def surviving_order(done: Tensor) -> Tensor:
     return torch.where(holes, mover_places[hole_rank], torch.where(movers, hole_places[mover_rank], places))
 
 
-@dataclass
-class NextRows:
-    """Which sentences and rows the next step decodes."""
+def step_log_probs(logits: Tensor, force_eos: Tensor) -> Tensor:
+    """The plain steps' log-probs; on the CPU only the rows at their maximum length are touched, found by
+    reading force_eos (most steps touch no row), where the plain masked fill passes over all rows."""
+    if not reads_are_free(logits.device):
+        return PLAIN_STEPS.log_probs(logits, force_eos)
+    log_probs = token_log_probs(logits)
+    forced = force_eos.nonzero().squeeze(1)
+    if forced.numel():
+        eos = log_probs[forced, EOS_ID]
+        log_probs[forced] = -math.inf
+        log_probs[forced, EOS_ID] = eos
+    return log_probs
 
-    ended: int  # sentences whose search ended at this step
-    kept: Tensor | None  # (going on,) the sentences that go on, in their new order; None when none ended
-    rows: Tensor  # (going on * beam,) each live hypothesis's parent row, in the order of `kept`
 
-
-def next_rows(cache: DecoderCache, parent_rows: Tensor, done: Tensor, step: int, reads_free: bool) -> NextRows:
+def next_rows(cache: SearchCache, parent_rows: Tensor, done: Tensor, step: int, reads_free: bool) -> NextRows:
     """parent_rows (active, beam), done (active,) -> the sentences that go on, and the cache reordered
     for them (one ``reorder`` call), unless every sentence ended.
 
@@ -120,3 +128,26 @@ def next_rows(cache: DecoderCache, parent_rows: Tensor, done: Tensor, step: int,
     sources = kept if kept is not None or step > 0 else torch.arange(active, device=done.device)
     cache.reorder(cache_rows, sources=sources, starts=starts, copied=copied)
     return NextRows(ended, kept, rows)
+
+
+class FastSteps:
+    """The search's ``SearchSteps`` for speed: on the CPU, reads that skip work; everywhere, stable slots
+    (fewer cache copies) and one host read a step; the block top-k on the CPU."""
+
+    def log_probs(self, logits: Tensor, force_eos: Tensor) -> Tensor:
+        return step_log_probs(logits, force_eos)
+
+    def top_k(self, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return top_k(scores, k)
+
+    def slots(self, parents: Tensor) -> Tensor:
+        return stable_slots(parents)
+
+    def may_be_set(self, flags: Tensor) -> bool:
+        return not reads_are_free(flags.device) or bool(flags.any())
+
+    def next_rows(self, cache: SearchCache, parent_rows: Tensor, done: Tensor, step: int) -> NextRows:
+        return next_rows(cache, parent_rows, done, step, reads_are_free(done.device))
+
+
+FAST_STEPS = FastSteps()

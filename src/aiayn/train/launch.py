@@ -18,7 +18,8 @@ import torch
 
 from aiayn.config import check_resolved_preset, check_section, check_value, load_config, resolve_preset, schema_default
 from aiayn.errors import UserError, cli
-from aiayn.writing import (missing_folders, refuse_overwriting_inputs, remove_empty_folders, remove_stale_temporaries_in)
+from aiayn.folders import missing_folders, remove_empty_folders
+from aiayn.writing import refuse_overwriting_inputs, remove_stale_temporaries_in
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY, RUN_LOCK
 from aiayn.speed.host_memory import keep_freed_memory
 from aiayn.train.trainer import Preempted, TrainJob, check_layout, train
@@ -127,17 +128,15 @@ def check_preset_json(preset, source: str) -> None:
     """A resolved preset given as JSON is checked as a config's preset is: every key set, and each value
     against the schema's ``$defs.preset`` (types and bounds: ``warmup_steps: 0`` is refused here, not met as
     a division by zero at step 1). The resolved preset also carries its ``name``."""
-    import jsonschema
-
-    from aiayn.config import _schema, _schema_error_message
+    from aiayn import schema
 
     check_resolved_preset(preset, source)
-    definitions = _schema().get("$defs", {})
-    schema = {"$defs": definitions, **definitions["preset"]}
-    schema["properties"] = {**schema["properties"], "name": {"type": "string"}}
-    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(preset))
-    if errors:
-        raise UserError(_schema_error_message(jsonschema.exceptions.best_match(errors), [source]))
+    definitions = schema.schema().get("$defs", {})
+    node = {"$defs": definitions, **definitions["preset"]}
+    node["properties"] = {**node["properties"], "name": {"type": "string"}}
+    error = schema.first_error(node, preset)
+    if error is not None:
+        raise UserError(schema.error_message(error, lambda path: source))
 
 
 def _settings(args) -> tuple[dict, dict, str]:

@@ -70,6 +70,9 @@ class StopFlag:
 
 @dataclass
 class TrainJob:
+    # The resolved preset as it came through the config door, kept as that dict: it is what a run records
+    # (MLflow's params, final.json's config, the checkpoints' check of it), byte for byte as finished runs
+    # recorded it. The typed views are built from it once, in Trainer: TrainSettings and ModelConfig.
     preset: dict
     train_section: dict
     seed: int
