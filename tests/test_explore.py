@@ -154,6 +154,23 @@ def test_the_default_sentences_are_the_papers_two_then_the_first_dev_lines(tmp_p
     assert default_sentences(dev, 1) == [LONG_DISTANCE, ANAPHORA, "one ."]
 
 
+def test_a_vocabulary_that_cannot_read_the_papers_sentences_opens_on_a_dev_sentence(vocabulary, tmp_path):  # noqa: F811
+    """As the demo's: learned on lowercase text, it has no "I" for "It", the paper's first word."""
+    from aiayn.bpe import learn_bpe, load_processor
+    from aiayn.tokens import UNK_ID
+
+    assert UNK_ID in load_processor(vocabulary).encode(LONG_DISTANCE, out_type=int)
+    dev = tmp_path / "dev.en"
+    dev.write_text("the dog .\na cat .\n", encoding="utf-8")
+    assert default_sentences(dev, vocabulary=vocabulary) == ["the dog .", "a cat .", LONG_DISTANCE, ANAPHORA]
+    assert default_sentences(vocabulary=vocabulary) == [LONG_DISTANCE, ANAPHORA]  # no dev: nothing else to open on
+    # a vocabulary that reads them keeps the paper's first
+    (tmp_path / "paper.en").write_text((LONG_DISTANCE + "\n" + ANAPHORA + "\n") * 20, encoding="utf-8")
+    learn_bpe([tmp_path / "paper.en", dev], tmp_path / "bpe", vocab_size=60, input_sentence_size=0, threads=1)
+    reads = tmp_path / "bpe" / "spm.model"
+    assert default_sentences(dev, vocabulary=reads) == [LONG_DISTANCE, ANAPHORA, "the dog .", "a cat ."]
+
+
 def run_explore(*args, cwd):
     return subprocess.run([sys.executable, "-m", "aiayn.cli", "explore", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -204,6 +221,7 @@ def test_the_report_writes_the_page_of_the_paper_and_dev_sentences_with_the_runs
     page = attention_explorer(arguments)
     assert page == tmp_path / "report" / "attention_explorer.html"
     data = read_page_data(page.read_text(encoding="utf-8"))
-    assert [sentence["source"] for sentence in data["sentences"]] == [LONG_DISTANCE, ANAPHORA, "the dog .", "a cat .",
-                                                                      "the house ."]
+    # the dev sentences first: the test's vocabulary, lowercase, cannot read the paper's "It"
+    assert [sentence["source"] for sentence in data["sentences"]] == ["the dog .", "a cat .", "the house .",
+                                                                      LONG_DISTANCE, ANAPHORA]
     assert data["search"]["beam_size"] == SEARCH["beam_size"]

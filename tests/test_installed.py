@@ -43,24 +43,44 @@ presets:
 """
 
 
+def readme_wheel_commands() -> list[str]:
+    """The README's two commands of "Installing the package elsewhere", as written (their comments left out)."""
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Installing the package elsewhere"):]
+    block = section[section.index("```bash\n") + len("```bash\n"):section.index("```", section.index("```bash") + 3)]
+    commands = [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
+    assert [command.split()[:2] for command in commands] == [["pip", "wheel"], ["pip", "install"]], commands
+    return commands
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """A fresh virtual environment holding the wheel built from this clone and its pinned dependencies."""
+    """A fresh virtual environment holding the wheel built from this clone and its pinned dependencies, by the
+    README's commands as written: the build in a fresh copy of the clone's package files, the install in a
+    fresh folder that holds only the wheel and requirements.lock (what the README says to take along)."""
+    build_command, install_command = readme_wheel_commands()
     root = tmp_path_factory.mktemp("installed")
-    source, wheels = root / "source", root / "wheels"  # a copy: the build's egg-info stays out of the clone
+    source, elsewhere = root / "source", root / "elsewhere"  # a copy: the build's egg-info stays out of the clone
     shutil.copytree(REPO / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir",
-                            str(wheels), str(source)], capture_output=True, text=True, timeout=TIMEOUT)
-    assert build.returncode == 0, build.stdout + build.stderr
-    (wheel,) = wheels.glob("aiayn-*.whl")
     environment = root / "venv"
     venv.create(environment, with_pip=True)  # not --system-site-packages: the editable aiayn stays out
-    install = subprocess.run([str(environment / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
-                              "-c", str(REPO / "requirements.lock"), f"{wheel}[export]"],
-                             capture_output=True, text=True, timeout=INSTALL_TIMEOUT, env=clean_environment())
-    assert install.returncode == 0, install.stdout + install.stderr
+    # `pip` is the venv's; the environment, not the commands, asks for no bytecode (--no-compile) and quiet
+    env = {**clean_environment(environment), "PIP_COMPILE": "0", "PIP_QUIET": "1"}
+    build = subprocess.run(build_command, shell=True, cwd=source, capture_output=True, text=True, timeout=TIMEOUT,
+                           env=env)
+    assert build.returncode == 0, f"$ {build_command}\n{build.stdout}{build.stderr}"
+    (wheel,) = (source / "dist").glob("aiayn-*.whl")
+    elsewhere.mkdir()
+    shutil.copy(wheel, elsewhere)
+    shutil.copy(REPO / "requirements.lock", elsewhere)
+    assert wheel.name in install_command, (wheel.name, install_command)
+    install = subprocess.run(install_command, shell=True, cwd=elsewhere, capture_output=True, text=True,
+                             timeout=INSTALL_TIMEOUT, env=env)
+    assert install.returncode == 0, f"$ {install_command}\n{install.stdout}{install.stderr}"
     return environment
 
 

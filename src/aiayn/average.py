@@ -140,7 +140,8 @@ def main(argv=None):
                              "--precision and --dev-tokens the `train` section's, --choose average.choose; an "
                              "option given here wins")
     parser.add_argument("--preset", help="with --config: the run's preset (default: the config's model, if one)")
-    parser.add_argument("--output", required=True, type=Path, help="the averaged model file to write")
+    parser.add_argument("--output", required=True, type=Path,
+                        help="the model file to write: the average, or the last checkpoint (see --choose)")
     parser.add_argument("--last", type=int, metavar="K", help="average the last K checkpoints of --checkpoint-dir")
     parser.add_argument("--checkpoint-dir", type=Path, help="directory of step_*.pt checkpoints (with --last)")
     parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
@@ -222,9 +223,9 @@ def _config_defaults(config: dict, args: argparse.Namespace) -> dict:
                 "tracking_uri": config["tracking_uri"], "choose": config["average"]["choose"]}
     name = args.preset or (config["models"][0] if len(config["models"]) == 1 else None)
     if name is not None:
-        last = resolve_preset(config, name, args.config)["average_last"]
+        average_last = resolve_preset(config, name, args.config)["average_last"]  # which checks the name, too
         if args.checkpoint_dir is not None:  # listed files are averaged as they are
-            defaults["last"] = last
+            defaults["last"] = average_last
     elif args.last is None and args.checkpoint_dir is not None:
         raise UserError(f"--config: the config has {len(config['models'])} models; name the run's with --preset "
                         f"(one of {', '.join(config['models'])}), or give --last K")

@@ -30,7 +30,7 @@ import torch
 
 from aiayn.appendix_figures import ANAPHORA, LONG_DISTANCE, encode_sentence, every_attention
 from aiayn.errors import UserError, cli
-from aiayn.tokens import BOS_ID, EOS_ID
+from aiayn.tokens import BOS_ID, EOS_ID, UNK_ID
 
 DEV_SENTENCES = 3  # the dev sentences the default page shows after the paper's two
 KINDS = ("encoder", "decoder_self", "cross")  # the keys of every_attention, in the page's order
@@ -41,14 +41,25 @@ DATA_FORMAT = 1
 
 # --- which sentences -------------------------------------------------------------------------
 
-def default_sentences(dev: str | Path | None = None, count: int = DEV_SENTENCES) -> list[str]:
-    """The paper's two appendix sentences, then the first ``count`` non-blank lines of ``dev`` if given."""
+def default_sentences(dev: str | Path | None = None, count: int = DEV_SENTENCES,
+                      vocabulary: str | Path | None = None) -> list[str]:
+    """The paper's two appendix sentences, then the first ``count`` non-blank lines of ``dev`` if given.
+
+    The dev lines come first where ``vocabulary`` (the model's spm.model) cannot read the paper's sentences,
+    a piece of them unknown to it: the demo's, learned on its synthetic language, has no capital "I" for
+    "It". The page opens on its first sentence, and should open on one that the model can read.
+    """
     from aiayn.reading import read_lines
 
-    sentences = [LONG_DISTANCE, ANAPHORA]
-    if dev is not None:
-        sentences += [line for line in read_lines(dev) if line.strip()][:count]
-    return sentences
+    paper = [LONG_DISTANCE, ANAPHORA]
+    lines = [line for line in read_lines(dev) if line.strip()][:count] if dev is not None else []
+    if lines and vocabulary is not None:
+        from aiayn.bpe import load_processor
+
+        processor = load_processor(vocabulary)
+        if any(UNK_ID in processor.encode(sentence, out_type=int) for sentence in paper):
+            return lines + paper
+    return paper + lines
 
 
 def sentences_from_file(path: str | Path) -> list[str]:
@@ -179,7 +190,8 @@ def arguments() -> argparse.ArgumentParser:
     given.add_argument("--input", help="sentences to show, one a line")
     given.add_argument("--sentence", action="append", help="a sentence to show (repeatable)")
     parser.add_argument("--dev", help="source text whose first sentences the default page shows after the paper's "
-                                      f"two appendix sentences (default: none; with --dev-count {DEV_SENTENCES})")
+                                      "two appendix sentences, or before them where the vocabulary cannot read those "
+                                      f"(default: none; with --dev-count {DEV_SENTENCES})")
     parser.add_argument("--dev-count", type=int, default=DEV_SENTENCES,
                         help=f"how many of --dev's sentences (default: {DEV_SENTENCES})")
     settings = parser.add_mutually_exclusive_group()
@@ -217,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise UserError(f"--threads {args.threads} must be at least 1")
         torch.set_num_threads(args.threads)
     sentences = (sentences_from_file(args.input) if args.input else args.sentence
-                 or default_sentences(args.dev, args.dev_count))
+                 or default_sentences(args.dev, args.dev_count, args.spm_model))
     written = write_explorer(args.model, args.spm_model, sentences, args.out, settings, choose_device(args.device))
     print(f"wrote {written['path']}: {written['sentences']} sentences, {written['bytes']} bytes; open it in a browser "
           "(it needs no network)")

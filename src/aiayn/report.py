@@ -343,8 +343,8 @@ def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
 
 def attention_explorer(args: argparse.Namespace, config: dict | None = None) -> Path:
     """The attention explorer's page of --attention-model (aiayn.explore), on the paper's two sentences and the
-    first of --explorer-dev, translated with the decode stage's search: --decode-json's, else --config's
-    decode section, else the schema's."""
+    first of --explorer-dev (those first where the vocabulary cannot read the paper's), translated with the
+    decode stage's search: --decode-json's, else --config's decode section, else the schema's."""
     from aiayn.config import check_section, section_defaults
     from aiayn.decode import DecodeSettings
     from aiayn.explore import default_sentences, write_explorer
@@ -356,8 +356,9 @@ def attention_explorer(args: argparse.Namespace, config: dict | None = None) -> 
             raise UserError(f"--decode-json is not valid JSON ({error})") from None
     else:
         section = config["decode"] if config else section_defaults("decode")
-    written = write_explorer(args.attention_model, args.spm_model, default_sentences(args.explorer_dev),
-                             Path(args.out_dir) / ATTENTION_EXPLORER, DecodeSettings.from_section(section))
+    sentences = default_sentences(args.explorer_dev, vocabulary=args.spm_model)
+    written = write_explorer(args.attention_model, args.spm_model, sentences, Path(args.out_dir) / ATTENTION_EXPLORER,
+                             DecodeSettings.from_section(section))
     return written["path"]
 
 
