@@ -13,6 +13,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_wheels  # noqa: E402
+import train_gpu  # noqa: E402
 
 pytestmark = pytest.mark.workflow
 
@@ -81,3 +82,18 @@ def test_the_wheels_carry_what_the_gpu_image_lacks_and_nothing_it_has():
         name, version = line.split("==")
         lock[gpu_wheels.normalise(name)] = version
     assert all(lock[name] == version for name, version in carried.items())
+
+
+def test_a_compile_is_skipped_or_stopped_when_its_time_is_short_and_the_table_says_so(tmp_path, capsys):
+    results = tmp_path / "steps.jsonl"
+    common = ["measure", "--device", "cpu", "--presets", "tiny", "--batches", "real", "--compile", "--results",
+              str(results)]
+    assert train_gpu.main([*common, "--seconds", "30", "--min-seconds", "60"]) == 0  # under its minimum: no child
+    assert train_gpu.main([*common, "--seconds", "1", "--min-seconds", "0"]) == 0  # a child, stopped after 1 s
+    out = capsys.readouterr().out
+    assert "tiny compiled (inductor): skipped, 30 s left of this part, under the 60 s a compile is given" in out
+    assert "tiny compiled (inductor): not done after 1 s, stopped: no compiled figure" in out
+    assert train_gpu.main(["table", "--results", str(results)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert "| tiny | compiled (inductor) | | | skipped: 30 s left |" in rows[2]
+    assert "| tiny | compiled (inductor) | | | not done after 1 s |" in rows[3]
