@@ -16,7 +16,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ from aiayn.model import ModelConfig
 from aiayn.tokens import PAD_ID
 from aiayn.train.hardware import (COMPILE_MULTIPLE, Distributed, adam, autocast_context, compiled,
                                   load_optimizer_state, model_for_training, peak_flops, resolved_precision)
+from aiayn.train.rendezvous import check_layout, devices
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
 from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, dev_rows, evaluate,
                                micro_batch_seed)
@@ -98,7 +99,9 @@ class Trainer:
         self.dist = Distributed.from_environment()
         self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank)
         self.dist.init(self.device)
-        self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed)
+        # a step is laid out for every node's gpus: the batches of one node with that many (rendezvous.py)
+        self.settings = replace(TrainSettings.from_config(job.preset, job.train_section, job.seed),
+                                layout=devices(job.preset))
         self.world = self.dist.world_size
         check_layout(self.world, job.preset)
         self.train_split = load_split(job.train_data)
@@ -437,11 +440,3 @@ def train(job: TrainJob) -> dict:
     """Train (or resume) one run; returns the summary written to ``final.json`` (empty off rank 0)."""
     return Trainer(job).run()
 
-
-def check_layout(processes: int, preset: dict) -> None:
-    """A step is split into a multiple of the preset's gpus micro-batches: more processes would idle."""
-    layout = max(1, preset["gpus"])
-    if processes > layout:
-        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: "
-                        f"{layout}, so a step has too few micro-batches for every process; set the preset's "
-                        f"gpus to {processes} (or run {layout} processes or fewer)")
