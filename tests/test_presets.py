@@ -85,7 +85,7 @@ def test_a_preset_on_two_nodes_is_laid_out_for_all_their_gpus_and_no_other_prese
 
 def test_nodes_below_1_are_refused_naming_the_preset(tmp_path):
     own = "models: [base_0]\npresets:\n  base_0: {inherit: base, nodes: 0}\n"
-    with pytest.raises(UserError, match=r"presets\.base_0\.nodes"):
+    with pytest.raises(UserError, match=r"presets\.base_0\.nodes = 0: 0 is less than the minimum of 1"):
         load_config([smallest_config(tmp_path, own)])
 
 

@@ -2,7 +2,7 @@
 
 A preset asks for ``nodes`` machines with ``gpus`` devices each. A step is laid out for all of them
 (``devices``: nodes x gpus micro-batches or a multiple), so ``tokens_per_step`` and its micro-batches are
-those of one node with that many GPUs, and a run resumes exactly on any other shape with the same total.
+those of one node with that many GPUs, and a run resumes with the same steps on any shape of that total.
 Under SLURM the training command, on the allocation's first node, starts one torchrun agent on each node
 with ``srun`` (one task a node); the agents meet through torchrun's c10d rendezvous at the first node
 (``scontrol show hostnames``), on a port derived from the job id. Outside SLURM a preset of several nodes
@@ -40,13 +40,17 @@ def devices(preset: dict) -> int:
 
 def check_layout(processes: int, preset: dict) -> None:
     """A step is split into a multiple of the preset's devices micro-batches: more processes would idle."""
-    layout = devices(preset)
-    if processes > layout:
-        shape = (f"gpus: {layout}" if nodes_of(preset) == 1 else
-                 f"nodes: {nodes_of(preset)} x gpus: {max(1, preset['gpus'])} = {layout} devices")
-        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for {shape}, so a "
-                        f"step has too few micro-batches for every process; set the preset's gpus to {processes} "
-                        f"(or run {layout} processes or fewer)")
+    layout, nodes = devices(preset), nodes_of(preset)
+    if processes <= layout:
+        return
+    if nodes == 1:
+        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: {layout}, "
+                        f"so a step has too few micro-batches for every process; set the preset's gpus to "
+                        f"{processes} (or run {layout} processes or fewer)")
+    raise UserError(f"{processes} processes on {nodes} nodes, but preset {preset.get('name')!r} is laid out for "
+                    f"nodes: {nodes} x gpus: {layout // nodes} = {layout} devices, so a step has too few "
+                    f"micro-batches for every process; run {layout // nodes} processes a node or fewer "
+                    "(--processes), or raise the preset's gpus")
 
 
 def processes_per_node(requested: int | None, device: str, gpus: int) -> int:
@@ -149,13 +153,15 @@ def several_nodes_allocation(preset: dict) -> Allocation:
 
 
 def _scontrol(*arguments: str) -> str:
+    """scontrol's answer. One that does not come ends the command with status 1, not a user error's 2:
+    a controller too busy to answer is worth a retry."""
+    command = f"scontrol {' '.join(arguments)}"
     try:
         result = subprocess.run(["scontrol", *arguments], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
-        raise UserError(f"SLURM_JOB_ID is set, but `scontrol {' '.join(arguments)}` did not answer ({error}); "
-                        "run the training command on a node of the SLURM job") from None
+        raise SystemExit(f"error: SLURM_JOB_ID is set, but `{command}` did not answer ({error})") from None
     if result.returncode != 0:
-        raise UserError(f"`scontrol {' '.join(arguments)}` failed: {result.stderr.strip()[-300:]}")
+        raise SystemExit(f"error: `{command}` failed: {result.stderr.strip()[-300:]}")
     return result.stdout
 
 
