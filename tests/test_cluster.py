@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -308,6 +309,38 @@ def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
     light = [fields for (rule, _), fields in jobs.items() if rule not in ("train", "decode", "all")]
     assert len(light) == 1 + 1 + 2 + 20 + 40 + 1  # download, bpe, binarize, average, score, report
     assert all("gpu" not in fields and fields["nodes"] == "1" for fields in light)
+
+
+class JobResources(dict):
+    """A job's resources as the plugin reads them: ``.get(name)`` and ``.name``."""
+
+    __getattr__ = dict.__getitem__
+
+
+def test_a_dry_run_shows_the_sbatch_call_of_a_preset_of_two_nodes_without_a_cluster(tmp_path):
+    """The resources a dry run of base on 2 nodes shows, rendered by the plugin's own code into the sbatch
+    call it would make (where test_the_paper_training_job_asks_sbatch_for_the_presets_gpus has no SLURM)."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    workdir = copy_workflow(tmp_path)
+    (workdir / "two_nodes.yaml").write_text("models: [base_2x8]\npresets: {base_2x8: {inherit: base, nodes: 2}}\n")
+    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm", "--configfile",
+                                              "config/wmt14_en_de.yaml", "two_nodes.yaml"),
+                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    block = re.search(r"rule train:.*?resources: (.*?)\n", result.stdout + result.stderr, re.S).group(1)
+    shown = dict(item.split("=", 1) for item in block.split(", ") if "=" in item)
+    resources = JobResources({key: int(value) if value.isdigit() else value for key, value in shown.items()
+                              if "TBD" not in value and key in ("runtime", "mem_mb", "nodes", "tasks", "mpi", "gres",
+                                                                "tasks_per_gpu", "cpus_per_task", "gpu")})
+    assert resources["mpi"] == "srun"  # the job step runs the command itself (its srun reaches both nodes)
+    job = types.SimpleNamespace(resources=resources, threads=2)
+    call = get_submit_command(job, {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_train",
+                                    "account": "", "partition": "", "workdir": "."}) + set_gres_string(job)
+    for option in SBATCH_OF["base_2x8"][:-1]:  # all but the partition, which the profile leaves to the site
+        assert f" {option} " in f" {call} ", (option, call)
+    assert not any(option in call for option in ("--gpus=", "--cpus-per-gpu", "--ntasks-per-gpu")), call
 
 
 def test_a_user_error_in_a_slurm_job_is_shown_once_and_not_retried(cluster, tmp_path):
