@@ -1,8 +1,13 @@
-"""A throwaway single-node SLURM cluster on this machine, for the cluster tests.
+"""A throwaway SLURM cluster on this machine, for the cluster tests.
 
 Debian's ``slurm-wlm`` and ``munge`` (installed with apt-get when missing and we are root), one
-``munged``, ``slurmctld`` and ``slurmd`` started from a generated ``/etc/slurm/slurm.conf``, every
-state, log and key file under one temporary folder, and all of it stopped by pid at the end.
+``munged``, ``slurmctld`` and a ``slurmd`` for each node started from a generated ``/etc/slurm/slurm.conf``,
+every state, log and key file under one temporary folder, and all of it stopped by pid at the end.
+
+Several nodes are several slurmd on this one host, each under its own node name (``slurmd -N``) with its
+own port, spool folder and log, which Debian's build allows. Each node has the host's CPUs and memory, and
+is named by a loopback address (127.0.0.1, 127.0.0.2, ...), which resolves everywhere: a job's first node
+is where its torchrun agents meet (aiayn/train/rendezvous.py), so its name must be an address.
 
 Two things are forced on us. The configuration must sit at the default path, because Snakemake's
 SLURM job-step plugin removes ``SLURM_CONF`` from the environment of the ``srun`` it runs inside
@@ -90,9 +95,10 @@ def node_line() -> str:
 
 @dataclass
 class LocalCluster:
-    """One controller and one compute node on localhost, its files under ``root``."""
+    """One controller and ``nodes`` compute nodes on localhost, their files under ``root``."""
 
     root: Path
+    nodes: int = 1
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     wrote_config: bool = False
     node: str = ""
@@ -120,8 +126,11 @@ class LocalCluster:
             self._write_config()
             self._spawn("slurmctld", [_which("slurmctld"), "-D"])
             self._wait(_controller_answers, timeout, "slurmctld answers")
-            self._spawn("slurmd", [_which("slurmd"), "-D"])
-            self._wait(self._node_idle, timeout, "the node is idle")
+            if self.nodes == 1:
+                self._spawn("slurmd", [_which("slurmd"), "-D"])
+            for name in self.node_names if self.nodes > 1 else ():
+                self._spawn(f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name])
+            self._wait(self._node_idle, timeout, "the nodes are idle")
         except BaseException:
             self.stop()
             raise
@@ -140,13 +149,28 @@ class LocalCluster:
                                f"--seed-file={munge / 'munged.seed'}", f"--log-file={self.root / 'munged.log'}"])
         self._wait(lambda: self.munge_socket.exists(), 30, "munged listens")
 
+    @property
+    def node_names(self) -> list[str]:
+        return [self.node] if self.nodes == 1 else [f"127.0.0.{index + 1}" for index in range(self.nodes)]
+
+    def _node_lines(self, line: str) -> str:
+        """slurm.conf's nodes: this host as ``slurmd -C`` describes it, once, or under several names."""
+        if self.nodes == 1:
+            return f"{line} NodeAddr=127.0.0.1 State=UNKNOWN"
+        host, layout = line.split(None, 1)
+        return "\n".join(f"NodeName={name} NodeHostname={host.split('=', 1)[1]} NodeAddr=127.0.0.1 "
+                         f"Port={_free_port()} {layout} State=UNKNOWN" for name in self.node_names)
+
     def _write_config(self) -> None:
         line = node_line()
         self.node = re.search(r"NodeName=(\S+)", line).group(1)
         self.cpus = int(re.search(r"CPUs=(\d+)", line).group(1))
-        for folder in ("ctld", "spool"):
+        for folder in ("ctld", "spool", *(f"spool/{name}" for name in self.node_names if self.nodes > 1)):
             (self.root / folder).mkdir(exist_ok=True)
         root = self.root
+        # one slurmd: its files as ever; several: each its own, by node name (%n)
+        node = "" if self.nodes == 1 else "-%n"
+        spool = "spool" if self.nodes == 1 else "spool/%n"
         config = f"""{MARKER}
 ClusterName=aiayntest
 SlurmctldHost=localhost
@@ -157,11 +181,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={root}/ctld
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/{spool}
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd{node}.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd{node}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # no cgroups: a container may not delegate them
@@ -182,7 +206,7 @@ ReturnToService=2
 # jobs are not requeueable unless sbatch says --requeue, so that Requeue=1 shows it did
 JobRequeue=0
 MpiDefault=none
-{line} NodeAddr=127.0.0.1 State=UNKNOWN
+{self._node_lines(line)}
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
         SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +243,7 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def _node_idle(self) -> bool:
         states = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%T"], capture_output=True,
                                 text=True, timeout=10).stdout.split()
-        return states == ["idle"]
+        return states == ["idle"] * self.nodes
 
     # --- use --------------------------------------------------------------------------
     def completed_jobs(self) -> list[dict[str, str]]:
@@ -247,7 +271,8 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 if queue.returncode != 0 or not queue.stdout.strip():
                     break
                 time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmds = [name for name in self.processes if name.startswith("slurmd")]
+        for name in (*slurmds, "slurmctld", "munged"):
             process = self.processes.pop(name, None)
             if process is None or process.poll() is not None:
                 continue

@@ -1,5 +1,6 @@
-"""The SLURM profile against a real single-node SLURM: jobs go through sbatch, a training job that
-SLURM stops is resumed by Snakemake's retry, and the results equal those of a local run.
+"""The SLURM profile against a real SLURM of two nodes on this host: jobs go through sbatch, a training job
+that SLURM stops is resumed by Snakemake's retry, the results equal those of a local run, and a preset of
+two nodes trains as one job with a torchrun agent on each node.
 
 The cluster (tests/slurm_cluster.py) is installed with apt-get when missing and we are root, and
 started on localhost; elsewhere these tests skip, except under CI (``CI`` set), where they fail.
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -85,7 +87,7 @@ def cluster_profile(workdir: Path, cluster: LocalCluster) -> Path:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     try:
-        cluster = LocalCluster(tmp_path_factory.mktemp("slurm")).start()
+        cluster = LocalCluster(tmp_path_factory.mktemp("slurm"), nodes=2).start()
     except ClusterUnavailable as reason:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the SLURM tests: {reason}")
@@ -219,30 +221,68 @@ def test_slurm_and_local_runs_give_the_same_results(runs):
         pd.testing.assert_frame_equal(frames[0], frames[1])
 
 
-def test_the_paper_training_job_asks_sbatch_for_the_presets_gpus(cluster, tmp_path):
-    """The real submission of `base` (8 GPUs), inputs stubbed and only `train` allowed to run:
-    this GPU-less node makes sbatch refuse it, and Snakemake's error shows the sbatch call that a
-    GPU cluster would have accepted. Only the partition is added to the profile's defaults."""
+# the sbatch options of a paper preset on one node (base: 8 GPUs) and on two (8 GPUs each, one task a node)
+SBATCH_OF = {"base": ("--gpus=8", "--cpus-per-gpu=8", "--mem 64000", "-t 1440", "--nodes=1", "-p local"),
+             "base_2x8": ("--gres=gpu:8", "--cpus-per-task=64", "--ntasks=2", "--mem 64000", "-t 1440",
+                          "--nodes=2", "-p local")}
+
+
+@pytest.mark.parametrize("model", ["base", "base_2x8"])
+def test_the_paper_training_job_asks_sbatch_for_the_presets_gpus(cluster, tmp_path, model):
+    """The real submission of `base` (8 GPUs), or of `base` on 2 nodes, inputs stubbed and only `train`
+    allowed to run: this GPU-less cluster makes sbatch refuse it, and Snakemake's error shows the sbatch
+    call that a GPU cluster would have accepted. Only the partition is added to the profile's defaults."""
     workdir = copy_workflow(tmp_path)
+    (workdir / "two_nodes.yaml").write_text("models: [base, base_2x8]\n"
+                                            "presets: {base_2x8: {inherit: base, nodes: 2}}\n")
     results = workdir / "results" / "wmt14_en_de"
     for folder in ("bin/train", "bin/dev", "bpe"):
         (results / folder).mkdir(parents=True)
     (results / "bpe" / "spm.model").write_bytes(b"")
     command = snakemake_command("--profile", "workflow/profiles/slurm", "--configfile", "config/wmt14_en_de.yaml",
-                                "--allowed-rules", "train", "--retries", "0", "--cores", str(cluster.cpus),
-                                "--slurm-init-seconds-before-status-checks", "1",
+                                "two_nodes.yaml", "--allowed-rules", "train", "--retries", "0",
+                                "--cores", str(cluster.cpus), "--slurm-init-seconds-before-status-checks", "1",
                                 "--seconds-between-status-checks", "1",
                                 "--default-resources", f"slurm_partition={PARTITION}", "mem_mb=4000", "runtime=60",
-                                "nodes=1", "--", "results/wmt14_en_de/train/base/seed1/final.json")
+                                "nodes=1", "--", f"results/wmt14_en_de/train/{model}/seed1/final.json")
     result = subprocess.run(command, cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     call = re.search(r"sbatch call:\s*\n\s*(sbatch .*)", output)
     assert call, output[-4000:]
-    for option in ("--gpus=8", "--cpus-per-gpu=8", "--mem 64000", "-t 1440", "--nodes=1", "-p local"):
+    for option in SBATCH_OF[model]:
         assert f" {option} " in f" {call.group(1)} ", (option, call.group(1))
-    assert "--cpus-per-task" not in call.group(1)
+    unwanted = ("--cpus-per-task",) if model == "base" else ("--gpus=", "--cpus-per-gpu", "--ntasks-per-gpu")
+    assert not any(option in call.group(1) for option in unwanted), call.group(1)
     assert "Requested node configuration is not available" in output or "Invalid generic resource" in output
+
+
+def test_a_preset_of_two_nodes_is_one_slurm_job_with_a_torchrun_agent_on_each_node(runs, cluster):
+    """The demo's data as the SLURM run left it, and its model on 2 nodes of the CPU (gloo): one sbatch job
+    of 2 nodes and 2 tasks, whose command starts one srun task a node, each a torchrun agent, meeting at the
+    first node. (Both nodes are this host, so it shows the shape of the job, not what 2 hosts would do.)"""
+    workdir = runs["slurm"]
+    (workdir / "two_nodes.yaml").write_text("models: [demo_2_nodes]\n"
+                                            "presets: {demo_2_nodes: {inherit: demo_base, nodes: 2}}\n")
+    result = subprocess.run(snakemake_command("--profile", "test-profile", "--configfile", "config/config.yaml",
+                                              "override.yaml", "two_nodes.yaml", "--allowed-rules", "train",
+                                              "--", "results/demo/train/demo_2_nodes/seed1/final.json"),
+                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    log = workdir / "results/demo/logs/train/demo_2_nodes/seed1.log"
+    assert result.returncode == 0, output[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
+    (job_id, name), = submitted(output)
+    record = cluster.job_record(job_id)
+    assert (name, record["NumNodes"], record["NumTasks"], record["NodeList"]) == ("train", "2", "2", "127.0.0.[1-2]")
+    step = re.search(r"training on 2 nodes, 1 process each: (srun .*)", log.read_text())
+    assert step, log.read_text()[-3000:]
+    assert step.group(1).startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
+                                    "--cpus-per-task=1 "), step.group(1)
+    for option in ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{10000 + int(job_id) % 10000}", f"--rdzv-id=aiayn-{job_id}"):
+        assert f" {option} " in step.group(1), option
+    summary = json.loads((workdir / "results/demo/train/demo_2_nodes/seed1/final.json").read_text())
+    assert (summary["world_size"], summary["step"]) == (2, 20)
 
 
 def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
@@ -269,6 +309,38 @@ def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
     light = [fields for (rule, _), fields in jobs.items() if rule not in ("train", "decode", "all")]
     assert len(light) == 1 + 1 + 2 + 20 + 40 + 1  # download, bpe, binarize, average, score, report
     assert all("gpu" not in fields and fields["nodes"] == "1" for fields in light)
+
+
+class JobResources(dict):
+    """A job's resources as the plugin reads them: ``.get(name)`` and ``.name``."""
+
+    __getattr__ = dict.__getitem__
+
+
+def test_a_dry_run_shows_the_sbatch_call_of_a_preset_of_two_nodes_without_a_cluster(tmp_path):
+    """The resources a dry run of base on 2 nodes shows, rendered by the plugin's own code into the sbatch
+    call it would make (where test_the_paper_training_job_asks_sbatch_for_the_presets_gpus has no SLURM)."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    workdir = copy_workflow(tmp_path)
+    (workdir / "two_nodes.yaml").write_text("models: [base_2x8]\npresets: {base_2x8: {inherit: base, nodes: 2}}\n")
+    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm", "--configfile",
+                                              "config/wmt14_en_de.yaml", "two_nodes.yaml"),
+                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    block = re.search(r"rule train:.*?resources: (.*?)\n", result.stdout + result.stderr, re.S).group(1)
+    shown = dict(item.split("=", 1) for item in block.split(", ") if "=" in item)
+    resources = JobResources({key: int(value) if value.isdigit() else value for key, value in shown.items()
+                              if "TBD" not in value and key in ("runtime", "mem_mb", "nodes", "tasks", "mpi", "gres",
+                                                                "tasks_per_gpu", "cpus_per_task", "gpu")})
+    assert resources["mpi"] == "srun"  # the job step runs the command itself (its srun reaches both nodes)
+    job = types.SimpleNamespace(resources=resources, threads=2)
+    call = get_submit_command(job, {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_train",
+                                    "account": "", "partition": "", "workdir": "."}) + set_gres_string(job)
+    for option in SBATCH_OF["base_2x8"][:-1]:  # all but the partition, which the profile leaves to the site
+        assert f" {option} " in f" {call} ", (option, call)
+    assert not any(option in call for option in ("--gpus=", "--cpus-per-gpu", "--ntasks-per-gpu")), call
 
 
 def test_a_user_error_in_a_slurm_job_is_shown_once_and_not_retried(cluster, tmp_path):

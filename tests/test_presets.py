@@ -73,6 +73,22 @@ def test_a_preset_from_scratch_takes_the_keys_it_leaves_out_from_the_schema(tmp_
     assert set(PRESET_KEYS) <= set(small)
 
 
+def test_a_preset_on_two_nodes_is_laid_out_for_all_their_gpus_and_no_other_preset_gains_the_key(tmp_path):
+    from aiayn.train.rendezvous import devices, nodes_of
+
+    own = "models: [base, base_2x8]\npresets:\n  base_2x8: {inherit: base, nodes: 2}\n"
+    config = load_config([smallest_config(tmp_path, own)])
+    two, base = resolve_preset(config, "base_2x8"), resolve_preset(config, "base")
+    assert (two["nodes"], two["gpus"], devices(two)) == (2, 8, 16)  # gpus is per node
+    assert "nodes" not in base and (nodes_of(base), devices(base)) == (1, 8)  # its runs' params are unchanged
+
+
+def test_nodes_below_1_are_refused_naming_the_preset(tmp_path):
+    own = "models: [base_0]\npresets:\n  base_0: {inherit: base, nodes: 0}\n"
+    with pytest.raises(UserError, match=r"presets\.base_0\.nodes = 0: 0 is less than the minimum of 1"):
+        load_config([smallest_config(tmp_path, own)])
+
+
 def test_a_key_set_by_inherit_wins_over_the_schemas_default(tmp_path):
     own = "models: [wide]\npresets:\n  wide: {inherit: big, n_layers: 2}\n"
     wide = resolve_preset(load_config([smallest_config(tmp_path, own)]), "wide")

@@ -9,6 +9,7 @@ from aiayn import layout
 from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_presets, schema_default, to_json
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
+from aiayn.train.rendezvous import nodes_of
 
 
 def config_files():
@@ -156,6 +157,26 @@ def show_report_folder():
 
 def preset(wildcards):
     return PRESETS[wildcards.model]
+
+
+def cluster_request(wildcards):
+    """What a training job asks the cluster for, as snakemake-executor-plugin-slurm's resources (the slurm
+    profile says what each becomes). One node, as ever: `gpu` (--gpus=N) and `cpus_per_gpu`. Several (the
+    preset's `nodes`): --nodes=N and one task a node (`tasks`, under `mpi`, with which the plugin runs the
+    job's command as it is: its own srun starts a torchrun agent on each node, aiayn/train/rendezvous.py);
+    the GPUs as GRES, which is per node (--gpus=N would be the job's total, spread as SLURM likes), with
+    `tasks_per_gpu: 0` so that `tasks` is not read as tasks per GPU; 8 CPUs a GPU for each node's task.
+    What a job does not ask for is None, which Snakemake drops."""
+    gpus, nodes = preset(wildcards)["gpus"], nodes_of(preset(wildcards))
+    if nodes == 1:
+        return {"nodes": 1, "gpu": gpus, "cpus_per_gpu": 8 if gpus else 0}
+    return {"nodes": nodes, "tasks": nodes, "mpi": "srun", "gres": f"gpu:{gpus}" if gpus else None,
+            "tasks_per_gpu": 0 if gpus else None, "cpus_per_task": 8 * gpus if gpus else None}
+
+
+def cluster_resource(name):
+    """One resource of cluster_request, for a rule's `resources:`."""
+    return lambda wildcards: cluster_request(wildcards).get(name)
 
 
 def runs():

@@ -16,10 +16,17 @@ rule train:
     log:
         log_file("train", *RUN_LOG),
     # Sized by what the job runs on: a GPU job gets 8 cores and 64 GB of host memory per node; a CPU
-    # job (gpus: 0, the demo's) its threads and 8 GB, not a GPU node's share.
+    # job (gpus: 0, the demo's) its threads and 8 GB, not a GPU node's share. A preset of several
+    # nodes asks for them, one task a node (cluster_request in common.smk).
     resources:
-        gpu=lambda w: preset(w)["gpus"],
-        cpus_per_gpu=lambda w: 8 if preset(w)["gpus"] else 0,
+        gpu=cluster_resource("gpu"),
+        cpus_per_gpu=cluster_resource("cpus_per_gpu"),
+        nodes=cluster_resource("nodes"),
+        tasks=cluster_resource("tasks"),
+        mpi=cluster_resource("mpi"),
+        gres=cluster_resource("gres"),
+        tasks_per_gpu=cluster_resource("tasks_per_gpu"),
+        cpus_per_task=cluster_resource("cpus_per_task"),
         mem_mb=lambda w: 64000 if preset(w)["gpus"] else 8000,
         runtime=lambda w: preset(w)["runtime_minutes"],
         attempt=attempt_number,

@@ -1,8 +1,9 @@
 """The train stage: one model preset, trained the paper's way (docs/PAPER.md, Training).
 
-``launch``    the command (``python -m aiayn.train``, ``aiayn train``): torchrun, the run lock, exit status
-``trainer``   the ``Trainer``: set-up and resume, the step in its named parts, checkpoints, ``final.*``
-``steps``     the settings, where a run is, the micro-batches of each step, dev evaluation, logged means
-``schedule``  the paper's learning-rate schedule and the FLOPs of a step
-``hardware``  how a step runs on this machine: processes, precision, fused Adam, compile, peak FLOPs
+``launch``     the command (``python -m aiayn.train``, ``aiayn train``): torchrun, the run lock, exit status
+``rendezvous`` a job of several nodes: its devices, the SLURM allocation, one torchrun agent a node
+``trainer``    the ``Trainer``: set-up and resume, the step in its named parts, checkpoints, ``final.*``
+``steps``      the settings, where a run is, the micro-batches of each step, dev evaluation, logged means
+``schedule``   the paper's learning-rate schedule and the FLOPs of a step
+``hardware``   how a step runs on this machine: processes, precision, fused Adam, compile, peak FLOPs
 """

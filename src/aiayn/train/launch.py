@@ -22,7 +22,10 @@ from aiayn.folders import missing_folders, remove_empty_folders
 from aiayn.writing import refuse_overwriting_inputs, remove_stale_temporaries_in
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY, RUN_LOCK
 from aiayn.speed.host_memory import keep_freed_memory
-from aiayn.train.trainer import Preempted, TrainJob, check_layout, train
+from aiayn.joblog import end_with_parent
+from aiayn.train.rendezvous import (Allocation, agent_environment, check_layout, is_worker_of_several_nodes,
+                                    nodes_of, processes_per_node, several_nodes_allocation)
+from aiayn.train.trainer import Preempted, TrainJob, train
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again"; Snakemake's --retries (or a SLURM requeue) resumes
 
@@ -38,12 +41,15 @@ def processes_to_launch(requested: int | None, device: str, gpus: int) -> int:
     return min(gpus, torch.cuda.device_count())
 
 
-def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path) -> int:
+def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path,
+                             nodes: tuple[int, Allocation] | None = None) -> int:
     """Re-run this command as ``processes`` workers under torchrun; returns the job's exit status.
 
     torchrun reports any failed worker as status 1, so rank 0 leaves its own status in a file
     and that is returned: a preempted run still exits 75 and is retried. SIGTERM and SIGUSR1
     (a time limit, a preemption) are passed on to torchrun, which passes them to the workers.
+    With ``nodes`` (how many, and the SLURM allocation), ``processes`` on each node: one agent a node,
+    started by srun (``aiayn.train.rendezvous``); the status file is then on the shared run folder.
     """
     import subprocess
     import tempfile
@@ -55,8 +61,13 @@ def _relaunch_under_torchrun(processes: int, argv: list[str], run_dir: Path) -> 
         # (a name that does not resolve left the workers waiting for a rendezvous that never came)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
                    f"--nproc_per_node={processes}", "-m", "aiayn.train", *argv]
-        print(f"training as {processes} processes: {' '.join(command)}", file=sys.stderr, flush=True)
         loopback = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}  # gloo's own lookup too
+        shape = f"as {processes} processes"
+        if nodes is not None:
+            count, allocation = nodes
+            command, loopback = allocation.srun_command(count, processes, argv), agent_environment(allocation.endpoint)
+            shape = f"on {count} nodes, {processes} process{'es' if processes > 1 else ''} each"
+        print(f"training {shape}: {' '.join(command)}", file=sys.stderr, flush=True)
         child = subprocess.Popen(command, env={**loopback, **os.environ, "AIAYN_STATUS_FILE": str(status_file)})
         forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -162,6 +173,12 @@ def _settings(args) -> tuple[dict, dict, str]:
     return preset, check_section("train", train_section, "--train-json"), schema_default("experiment")
 
 
+def ignore_stop_signals() -> None:
+    """SIGTERM and SIGUSR1 from now on change nothing: the process is ending with its checkpoint written."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _report_status(status: int) -> int:
     """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
     target = os.environ.get("AIAYN_STATUS_FILE")
@@ -196,8 +213,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="overrides train.device (auto: a GPU when there is one and the preset has gpus > 0)")
     parser.add_argument("--processes", type=int, default=None,
-                        help="data-parallel processes on this node under torchrun (default: one per GPU, "
-                             "up to the preset's gpus; 1 on the CPU)")
+                        help="data-parallel processes on this node (each node of a preset of several) under "
+                             "torchrun (default: one per GPU, up to the preset's gpus; 1 on the CPU)")
     parser.add_argument("--stop-after-steps", type=int, default=None,
                         help="checkpoint and exit with status 75 after this many steps (resume by rerunning)")
     args = parser.parse_args(argv)
@@ -210,10 +227,18 @@ def main(argv=None):
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
                               {"--train-data": args.train_data, "--dev-data": args.dev_data,
                                "--spm-model": args.spm_model}, {"--run-dir": args.run_dir / CHECKPOINTS})
+    several_nodes = nodes_of(preset) > 1 and not os.environ.get("WORLD_SIZE")
+    allocation = several_nodes_allocation(preset) if several_nodes else None  # refused outside SLURM
+    if is_worker_of_several_nodes():
+        end_with_parent()  # its node's agent: a worker left without one stops at the next step, checkpointing
     if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
         lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
     job = TrainJob(preset, train_section, args.seed, args.train_data, args.dev_data, args.spm_model, args.run_dir,
                    args.experiment, args.tracking_uri, not args.no_tracking, args.device, args.stop_after_steps)
+    if allocation is not None:
+        processes = processes_per_node(args.processes, job.requested_device, preset["gpus"])
+        check_layout(nodes_of(preset) * processes, preset)
+        return _relaunch_under_torchrun(processes, argv, args.run_dir, (nodes_of(preset), allocation))
     processes = processes_to_launch(args.processes, job.requested_device, preset["gpus"])
     if processes > 1:
         check_layout(processes, preset)
@@ -226,6 +251,8 @@ def main(argv=None):
         summary = train(job)
     except Preempted as stopped:
         print(f"{stopped}; rerun the same command to resume", file=sys.stderr)
+        if os.environ.get("WORLD_SIZE"):  # torchrun's agent signals the workers still running once one has
+            ignore_stop_signals()         # ended: at exit (without the trainer's handler) they would die of it
         return _report_status(EXIT_PREEMPTED)
     except UserError:
         _report_status(2)

@@ -21,6 +21,7 @@ from aiayn.errors import UserError
 from aiayn.loss import teacher_forced_loss
 from aiayn.model import ModelConfig, Transformer
 from aiayn.speed.shapes import bucketed_lengths
+from aiayn.train.rendezvous import devices
 from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context
 
 
@@ -64,7 +65,7 @@ class TrainSettings:
             average_last=preset["average_last"], checkpoint_steps=preset["checkpoint_steps"],
             budget_intervals=preset.get("budget_intervals", preset_default("budget_intervals")),
             checkpoint_minutes=preset["checkpoint_minutes"],
-            layout=max(1, preset["gpus"]),
+            layout=devices(preset),  # every node's gpus: a step is laid out for the job's devices (rendezvous.py)
             # a preset's own budget wins over the train section's
             max_minutes=preset["max_minutes"] if "max_minutes" in preset else train["max_minutes"],
             log_every=train["log_every"], dev_every=train["dev_every"], compile=train["compile"],
@@ -254,12 +255,3 @@ class LogWindow:
         if peak:
             metrics["mfu"] = window["flops"] / max(window["time"], 1e-9) / (peak * world)
         return metrics
-
-
-def check_layout(processes: int, preset: dict) -> None:
-    """A step is split into a multiple of the preset's gpus micro-batches: more processes would idle."""
-    layout = max(1, preset["gpus"])
-    if processes > layout:
-        raise UserError(f"{processes} processes, but preset {preset.get('name')!r} is laid out for gpus: "
-                        f"{layout}, so a step has too few micro-batches for every process; set the preset's "
-                        f"gpus to {processes} (or run {layout} processes or fewer)")

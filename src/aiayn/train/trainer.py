@@ -38,9 +38,10 @@ from aiayn.tokens import PAD_ID
 from aiayn.speed.shapes import ShapeLog
 from aiayn.train.hardware import (Distributed, adam, autocast_context, compiled, load_optimizer_state, loss_chunk_tokens,
                                   model_for_training, peak_flops, resolved_precision)
+from aiayn.train.rendezvous import check_layout
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
-from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, check_layout, dev_rows,
-                               evaluate, micro_batch_seed)
+from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, dev_rows, evaluate,
+                               micro_batch_seed)
 from aiayn.train.window import in_window, window_vote
 
 
