@@ -71,9 +71,8 @@ class StopFlag:
 
 @dataclass
 class TrainJob:
-    # The resolved preset as it came through the config door, kept as that dict: it is what a run records
-    # (MLflow's params, final.json's config, the checkpoints' check of it), byte for byte as finished runs
-    # recorded it. The typed views are built from it once, in Trainer: TrainSettings and ModelConfig.
+    # The resolved preset as it came through the config door, kept as the dict a run records (MLflow's params,
+    # final.json, the checkpoints' check), byte for byte; Trainer builds TrainSettings and ModelConfig from it.
     preset: dict
     train_section: dict
     seed: int
@@ -223,9 +222,8 @@ class Trainer:
     # --- one step, in its named parts -----------------------------------------------------
 
     def forward_backward(self, step: int, micro: list[np.ndarray], shape: StepShape) -> torch.Tensor:
-        """This process's micro-batches (``index % world == rank``): gradients summed, loss sums returned.
-        On a GPU one autocast region spans the step, so that each weight is cast to bf16 once a step, not
-        once a micro-batch (the weights change only after the step)."""
+        """This process's micro-batches (``index % world == rank``): gradients summed, loss sums returned. On a
+        GPU one autocast region spans the step: each weight is cast to bf16 once a step, not a micro-batch."""
         world, settings, device = self.world, self.settings, self.device
         mine = [(index, rows) for index, rows in enumerate(micro) if index % world == self.dist.rank]
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
