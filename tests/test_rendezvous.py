@@ -115,7 +115,7 @@ def test_two_agents_of_two_processes_train_as_one_agent_of_four(prepared, two_no
     checkpoints = [torch.load(run / "checkpoints" / f"step_{STEPS:08d}.pt", weights_only=True)
                    for run in (two_nodes, tmp_path / "one")]
     assert checkpoints[0]["batch_rule"] == checkpoints[1]["batch_rule"] == {
-        "tokens_per_step": 1200, "device_tokens": 300, "gpus": 4, "seed": 1}
+        "tokens_per_step": 1200, "device_tokens": 300, "gpus": 4, "seed": 1, "shape_buckets": False}
     for part in ("model", "optimizer"):
         torch.testing.assert_close(checkpoints[0][part], checkpoints[1][part], rtol=0, atol=0, msg=part)
     assert checkpoints[0]["progress"]["cursor"] == checkpoints[1]["progress"]["cursor"]
