@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import yaml
+from pathlib import Path
 from conftest import REPO
 
 from aiayn.config import SCHEMA_PATH, load_config, merge, resolve_preset, schema_default, to_json
@@ -155,7 +156,10 @@ def test_the_en_fr_config_is_table2s_other_column():
 
 def test_a_section_given_as_json_is_checked_and_gets_the_schemas_defaults(capsys):
     from aiayn.bpe import main as bpe_main
-    from aiayn.config import check_section, section_defaults
+    from aiayn.config import InlineSection, read_config, section_defaults
+
+    def check_section(section, values, option):
+        return read_config(None, section, inline=InlineSection(option, section, json.dumps(values)))
 
     decode = check_section("decode", {"beam_size": 2}, "--decode-json")
     assert decode == {**section_defaults("decode"), "beam_size": 2}
@@ -228,13 +232,25 @@ def schema_leaves(node, prefix=""):
             yield f"{prefix}{key}", child["default"]
 
 
-def planned_settings(output: str) -> dict:
-    """The config sections the planned jobs receive (`--<section>-json '...'` in `snakemake -n -p`)."""
+RUNTIME_ONLY = {"train": ("log_every", "threads"), "binarize": ("workers",), "decode": ("workers", "max_source_tokens")}
+STAGE_SECTIONS = {"download": "data", "bpe": "bpe", "binarize": "binarize", "train": "train", "decode": "decode"}
+
+
+def planned_settings(output: str, folder) -> dict:
+    """The config sections the planned jobs read (each stage's section of the resolved config that
+    `--config FILE` hands it in `snakemake -n -p`), without the keys that change no output."""
     import re
 
     found: dict = {}
-    for section, text in re.findall(r"--([a-z]+)-json '([^']*)'", output):
-        found.setdefault(section, set()).add(text)
+    for stage, path, rest in re.findall(r"--attempt \d+ ([a-z]+) --config (\S+)(.*)", output):
+        if stage in STAGE_SECTIONS:
+            section = STAGE_SECTIONS[stage]
+            resolved = load_config([Path(folder) / path.strip("'")])
+            kept = {key: value for key, value in resolved[section].items() if key not in RUNTIME_ONLY.get(section, ())}
+            found.setdefault(section, set()).add(to_json(kept))
+        if stage == "train":
+            name = re.search(r"--preset (\S+)", rest).group(1)
+            found.setdefault("preset", set()).add(to_json(resolve_preset(resolved, name)))
     return found
 
 
@@ -260,12 +276,10 @@ def test_a_minimal_config_takes_every_unset_key_from_the_schema_and_nothing_from
         (folder / "config" / "config.yaml").write_text(yaml.safe_dump(merge(demo, demo_edit)))
         result = run_snakemake(folder, "-n", "-p", "--configfile", str(path), copy=False)
         assert result.returncode == 0, result.stderr[-3000:]
-        plans.append(planned_settings(result.stdout))
+        plans.append(planned_settings(result.stdout, folder))
     assert plans[0] == plans[1]
-    runtime_only = {"train": ("log_every", "threads"), "binarize": ("workers",),
-                    "decode": ("workers", "max_source_tokens")}
     for section in ("data", "bpe", "binarize", "train", "decode"):
-        expected = {k: v for k, v in config[section].items() if k not in runtime_only.get(section, ())}
+        expected = {k: v for k, v in config[section].items() if k not in RUNTIME_ONLY.get(section, ())}
         assert plans[0][section] == {to_json(expected)}, section
     assert plans[0]["preset"] == {to_json(resolve_preset(config, "mine"))}
 
@@ -274,7 +288,7 @@ def test_without_a_configfile_snakemake_runs_the_demo(tmp_path):
     result = run_snakemake(tmp_path, "-n", "-p")
     assert result.returncode == 0, result.stderr[-3000:]
     demo = load_config([DEFAULT])
-    assert planned_settings(result.stdout)["bpe"] == {to_json(demo["bpe"])}
+    assert planned_settings(result.stdout, tmp_path)["bpe"] == {to_json(demo["bpe"])}
     assert "results/demo/train/demo_heads_1/seed1/" in result.stdout
 
 
@@ -358,6 +372,7 @@ def _train_args(argv):
         parser.add_argument(option, nargs="+")
     for option in ("--preset", "--preset-json", "--train-json"):
         parser.add_argument(option)
+    parser.add_argument("--log-every", type=int)
     return parser.parse_args(argv)
 
 

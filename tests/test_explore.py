@@ -3,6 +3,7 @@ and a page that holds it all and fetches nothing."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -26,9 +27,10 @@ SEARCH = {"beam_size": 2, "length_penalty": 0.6, "max_len_a": 0.0, "max_len_b": 
 
 
 def settings() -> DecodeSettings:
-    from aiayn.config import check_section
+    from aiayn.config import InlineSection, read_config
 
-    return DecodeSettings.from_section(check_section("decode", SEARCH, "test"))
+    return DecodeSettings.from_section(read_config(None, "decode", inline=InlineSection("test", "decode",
+                                                                                        json.dumps(SEARCH))))
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ def test_every_module_stands_above_all_it_imports():
 @pytest.mark.parametrize("paper, wing", [
     ("aiayn.model", "aiayn.speed"), ("aiayn.model", "aiayn.config"), ("aiayn.model", "aiayn.schema"),
     ("aiayn.search", "aiayn.speed"), ("aiayn.search", "aiayn.config"),
+    ("aiayn.search_contract", "aiayn.speed"), ("aiayn.search_contract", "aiayn.config"),
 ])
 def test_the_papers_modules_import_no_wing(paper, wing):
     assert not {name for name in GRAPH[paper] if name == wing or name.startswith(wing + ".")}

@@ -289,7 +289,7 @@ def train_command(prepared: Path, run_dir: Path, *extra: str, **preset) -> list[
 
 @pytest.mark.parametrize("key, value", [("warmup_steps", 0), ("lr_scale", -1.0)])
 def test_train_checks_its_preset_json_against_the_schema(prepared, tmp_path, key, value):
-    from aiayn.config import _schema
+    from aiayn.schema import schema as _schema
 
     if key == "warmup_steps" and "minimum" not in _schema()["$defs"]["preset"]["properties"]["warmup_steps"]:
         pytest.skip("the schema sets no lower bound for warmup_steps")

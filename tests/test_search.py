@@ -15,7 +15,7 @@ from aiayn import search
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import SearchConfig, beam_search, greedy_search, length_penalty, max_output_lengths
-from aiayn.search import PLAIN_STEPS, SearchCache, SearchSteps
+from aiayn.search_contract import PLAIN_STEPS, SearchCache, SearchSteps
 from aiayn.speed import search_steps
 from aiayn.speed.decoder_cache import DecoderCache
 from aiayn.speed.incremental import InferenceModel
@@ -634,7 +634,8 @@ def test_the_search_imports_nothing_from_the_speed_wing_or_the_config_machinery(
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     ours = {name for name in imported if name.startswith("aiayn")}
     assert not {name for name in ours if name.startswith("aiayn.speed") or name.startswith("aiayn.config")}
-    assert ours <= {"aiayn", "aiayn.errors", "aiayn.tokens", "aiayn.schema", "aiayn.model", "aiayn.batching"}
+    assert ours <= {"aiayn", "aiayn.errors", "aiayn.tokens", "aiayn.schema", "aiayn.search_contract", "aiayn.model",
+                    "aiayn.batching"}
 
 
 def test_the_real_cache_and_the_tests_fake_meet_the_search_cache_contract(half_trained):

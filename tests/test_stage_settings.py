@@ -191,3 +191,76 @@ def test_demo_takes_its_sizes_and_languages_from_config_files(tmp_path):
     assert main(["--config", config, "--out-dir", str(tmp_path / "out"), "--test", "4"]) == 0
     lines = {path.name: len(path.read_text().splitlines()) for path in (tmp_path / "out").iterdir()}
     assert lines == {"train.fr": 7, "train.it": 7, "dev.fr": 2, "dev.it": 2, "test.fr": 4, "test.it": 4}
+
+
+# --- the one door: every command and every rule reads its settings through config.read_config ---------
+
+class Entered(Exception):
+    """Raised by the spy at the validator: the command reached the one door with its settings."""
+
+
+# each command with --config and the least else its parser needs (inputs need not exist: the settings come first)
+LEAST = {
+    "demo": ["--out-dir", "{tmp}/out"],
+    "download": ["--out-dir", "{tmp}/out"],
+    "bpe": ["--out-dir", "{tmp}/out", "{tmp}/train.en"],
+    "binarize": ["--split", "dev", "--src", "s", "--tgt", "t", "--spm-model", "m", "--out-dir", "{tmp}/out"],
+    "params": [],
+    "train": ["--preset", "demo_base", "--train-data", "t", "--spm-model", "m", "--run-dir", "{tmp}/run"],
+    "average": ["--checkpoint-dir", "{tmp}/c", "--output", "{tmp}/m.pt"],
+    "decode": ["--model", "m", "--spm-model", "s", "--input", "{tmp}/i", "--output", "{tmp}/o"],
+    "translate": ["--model", "m", "--spm-model", "s"],
+    "score": ["--hyp", "h", "--ref", "r"],
+    "report": ["--runs", "f", "--dev-scores", "d", "--test-scores", "t", "--out-dir", "{tmp}/report"],
+    "explore": ["--model", "m", "--spm-model", "s", "--out", "{tmp}/x.html"],
+    "compare": [],
+    "export": ["--model", "m", "--spm-model", "s", "--format", "ctranslate2", "--out", "{tmp}/e"],
+}
+
+
+def test_every_command_has_its_least_arguments_listed():
+    assert sorted(LEAST) == sorted(cli.COMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_reads_its_config_files_through_the_one_validator(command, tmp_path, monkeypatch):
+    """The schema's one validator sees the whole merged config of the files, once, before anything else."""
+    import aiayn.schema as schema
+    from conftest import REPO
+
+    seen = []
+
+    def validator(node):
+        seen.append(node is schema.parsed())
+        raise Entered
+
+    monkeypatch.setattr(schema, "validator", validator)
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    argv = ["--config", str(REPO / "config" / "config.yaml"), *[a.format(tmp=tmp_path) for a in LEAST[command]]]
+    with pytest.raises(Entered):
+        module.main(argv)
+    assert seen == [True]  # the whole config, not a section on its own
+
+
+def test_every_rule_hands_its_stage_the_resolved_config_and_no_section_as_json():
+    """The Snakefile reads the config through the door (read_config) and writes it resolved (SETTINGS); every
+    rule whose stage reads settings passes that file, none a section as JSON."""
+    from conftest import REPO
+
+    common = (REPO / "workflow" / "rules" / "common.smk").read_text()
+    assert "read_config(merged=config" in common and "SETTINGS = write_resolved(" in common
+    for rule in ("data", "bpe", "binarize", "train", "decode", "report"):
+        text = (REPO / "workflow" / "rules" / f"{rule}.smk").read_text()
+        assert "--config {SETTINGS:q}" in text, rule
+    for path in (REPO / "workflow" / "rules").glob("*.smk"):
+        assert "-json" not in path.read_text(), path.name
+
+
+def test_the_resolved_config_reads_back_as_the_config_it_was_written_from(tmp_path):
+    from aiayn.config import read_config, write_resolved
+    from conftest import REPO
+
+    config = read_config([REPO / "config" / "wmt14_en_de.yaml"])
+    path = write_resolved(config, tmp_path)
+    assert read_config([path]) == config
+    assert write_resolved(config, tmp_path) == path  # the same config, the same file

@@ -1,18 +1,20 @@
-"""Config files: merge, validate against the schema (Snakemake's ``validate``), resolve presets.
+"""Config files: merge, validate against the schema, resolve presets; ``read_config``, the one door.
 
 Config flows one way: YAML files (the ``--configfile``s, or the demo's config/config.yaml when
-none is given, then ``--config`` overrides) are merged key by key as Snakemake does, checked
-against the schema (``config.schema.yaml``, package data beside this module, which the Snakefile
-reads too) with a message that names the file and the key, filled with the schema's defaults, and
-then each model preset is resolved through its ``inherit`` chain into one flat dict that the stages
-receive as JSON. Under a user's files lie only the schema's defaults and the paper's presets
-(aiayn/presets.py), which a config names instead of copying.
+none is given, then ``--config`` overrides, then a command's options given beside them) are merged
+key by key as Snakemake does, checked once by the schema's one validator (``aiayn.schema``) with a
+message that names the file, override or option that set the key, filled with the schema's defaults,
+and then each model preset is resolved through its ``inherit`` chain into one flat dict. Every stage
+and the Snakefile read their settings through ``read_config``; the Snakefile writes the config it read,
+resolved, for its jobs (``write_resolved``). Under a user's files lie only the schema's defaults and
+the paper's presets (aiayn/presets.py), which a config names instead of copying.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,6 +56,49 @@ class ConfigOverrides(str):
         return f"--config {key}={text if len(text) <= 60 else text[:57] + '...'}"
 
 
+class GivenOptions(ConfigOverrides):
+    """A command's options given beside its config files (``--workers 2``), as the last of the config's
+    sources: ``options`` maps a dotted key (``decode.workers``) to (the option, its value, None when not
+    given), and a wrong value is blamed on the option that set it."""
+
+    def __new__(cls, options: dict) -> "GivenOptions":
+        given = {key: pair for key, pair in options.items() if pair[1] is not None}
+        values: dict = {}
+        for key, (_, value) in given.items():
+            *sections, last = key.split(".")
+            node = values
+            for part in sections:
+                node = node.setdefault(part, {})
+            node[last] = value
+        source = str.__new__(cls, ", ".join(option for option, _ in given.values()) or "options")
+        source.values = values
+        source.names = {tuple(key.split(".")): option for key, (option, _) in given.items()}
+        return source
+
+    def blame(self, key_path: Sequence[Any]) -> str:
+        for length in range(len(key_path), 0, -1):
+            if tuple(key_path[:length]) in self.names:
+                return self.names[tuple(key_path[:length])]
+        return str(self)
+
+
+class InlineSection(ConfigOverrides):
+    """A section given on the command line as JSON (``--decode-json``), as a config source named by its option."""
+
+    def __new__(cls, option: str, section: str, text: str) -> "InlineSection":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{option} is not valid JSON ({error})") from None
+        source = str.__new__(cls, option)
+        source.values = {section: values}
+        source.option = option
+        return source
+
+    def blame(self, key_path: Sequence[Any]) -> str:
+        return self.option
+
+
 def _source_values(source: str) -> Any:
     """What one source sets: an override's values, a file's mapping (None where it cannot be read)."""
     if isinstance(source, ConfigOverrides):
@@ -81,16 +126,9 @@ def merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def load_config(paths: Sequence[str | Path], overrides: dict | None = None) -> dict:
-    """Merge config files (first is the base), apply overrides, validate and fill defaults."""
-    config: dict = {}
-    sources = [str(p) for p in paths]
-    for path in paths:
-        config = merge(config, load_yaml(path))
-    if overrides:
-        config = merge(config, overrides)
-        sources.append(ConfigOverrides(overrides))
-    return check_config(config, sources)
+def load_config(paths: Sequence[str | Path]) -> dict:
+    """The whole config of these files, through the door (``read_config``)."""
+    return read_config(paths)
 
 
 def _defined_in(key_path: Sequence[Any], sources: Sequence[str]) -> str:
@@ -231,13 +269,40 @@ def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "
 
 
 def check_resolved_preset(preset: Any, source: str) -> None:
-    """A resolved preset given on its own (``--preset-json``) must set every key a preset needs."""
+    """A resolved preset given on its own (``--preset-json``) is checked as a config's preset is: every key
+    set, and each value by the schema's one validator (``check_preset_values``)."""
     if not isinstance(preset, dict):
         raise UserError(f"{source}: a preset is a mapping of keys to values, got {type(preset).__name__}")
     missing = [key for key in PRESET_KEYS if key not in preset]
     if missing:
-        raise UserError(f"{source}: the preset does not set {', '.join(missing)} (pass a resolved preset, as the "
-                        "Snakefile does: every key of config/README.md's preset table)")
+        raise UserError(f"{source}: the preset does not set {', '.join(missing)} (pass a resolved preset: every "
+                        "key of config/README.md's preset table)")
+    check_preset_values(preset, source)
+
+
+def check_preset_values(preset: Any, source: str) -> None:
+    """The values a preset given as JSON sets, each by the schema's one validator against ``$defs.preset``
+    (``warmup_steps: 0`` is refused here, not met as a division by zero at step 1); it may carry its ``name``."""
+    definitions = schema.parsed()["$defs"]
+    node = {"$defs": definitions, **definitions["preset"]}
+    node["properties"] = {**node["properties"], "name": {"type": "string"}}
+    error = schema.first_error(node, preset)
+    if error is not None:
+        raise UserError(schema.error_message(error, lambda path: source))
+
+
+def presets_from_json(text: str, option: str) -> dict:
+    """Resolved presets by name, given as JSON (``aiayn report --presets-json``), each preset's values checked
+    (``check_preset_values``: the report reads only some of their keys, so none is required)."""
+    try:
+        presets = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{option} is not valid JSON ({error})") from None
+    if not isinstance(presets, dict) or not presets:
+        raise UserError(f"{option}: give resolved presets by name, a mapping of names to presets")
+    for name, preset in presets.items():
+        check_preset_values(preset, f"{option} {name}")
+    return presets
 
 
 def model_fields(preset: dict) -> dict:
@@ -254,65 +319,87 @@ def to_json(obj: Any) -> str:
 
 
 def add_config_arguments(parser, section: str) -> None:
-    """Stages take their config section as JSON (from the Snakefile) or read it from config files."""
+    """Stages read their config section from config files (what the Snakefile passes: the resolved config)
+    or, by hand, take it as JSON."""
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--config", nargs="+", metavar="FILE", help="config files, merged in order and validated")
     group.add_argument(f"--{section}-json", dest="section_json", metavar="JSON",
-                       help=f"the `{section}` section as JSON (what the Snakefile passes)")
+                       help=f"the `{section}` section as JSON (by hand)")
+
+
+def read_config(files: Sequence[str | Path] | None = None, section: str | None = None,
+                options: dict | None = None, *, inline: InlineSection | None = None,
+                merged: dict | None = None, sources: Sequence[str] | None = None) -> dict:
+    """The one door through which every stage, and the Snakefile, reads its settings.
+
+    Merges the config ``files`` in order (or takes the config Snakemake ``merged`` from ``sources``), puts
+    the ``options`` given beside them in place of their keys (dotted key -> (option, value); see
+    ``GivenOptions``), validates the whole once with the schema's one validator, fills the schema's
+    defaults, resolves the presets, and returns ``section`` of it (the whole config without one). Without
+    files, ``section`` stands on the schema's defaults (or on ``inline``, a section given as JSON): it is
+    validated alone, as it would be in a config. A message names the file, override or option that set
+    the wrong value.
+    """
+    given = GivenOptions(options or {})
+    if merged is None and not files:
+        values = inline.values[section] if inline is not None else {}
+        if isinstance(values, dict):  # else the schema's message names it
+            values = merge(values, given.values.get(section, {}))
+        named = [source for source in (inline, given if given.values else None) if source is not None] or ["defaults"]
+        error = schema.first_error(schema.section_schema(section), values, [section])
+        if error is not None:
+            raise UserError(_schema_error_message(error, named))
+        if section == "data":
+            _check_data_source(values, lambda key: _defined_in(["data", key], named))
+        values = copy.deepcopy(values)
+        schema.fill_defaults(schema.section_schema(section), values)
+        return values
+    config, sources = (merged, list(sources or [])) if merged is not None else ({}, [str(path) for path in files])
+    if merged is None:
+        for path in files:
+            config = merge(config, load_yaml(path))
+    if given.values:
+        config = merge(config, given.values)
+        sources.append(given)
+    config = check_config(config, sources)
+    return config if section is None else config[section]
+
+
+def write_resolved(config: dict, folder: str | Path) -> str:
+    """A checked config written as YAML into ``folder``, named by its content (two runs of the same
+    config write the same file): what the Snakefile hands its jobs, which read it through ``read_config``."""
+    import hashlib
+
+    import yaml
+
+    text = yaml.safe_dump(config, sort_keys=True, default_flow_style=False, width=10**6)
+    path = Path(folder) / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        scratch.write_text(text, encoding="utf-8")
+        os.replace(scratch, path)
+    return str(path)
 
 
 def parse_with_config(parser, argv, defaults) -> tuple[Any, dict | None]:
     """``parser``'s options, where a stage takes ``--config FILE...`` beside options the Snakefile passes
-    one by one: the merged, validated config (or None) and the options parsed with their defaults taken
-    from it (``defaults(config, args)``: option dest -> value), so that an option given on the command
-    line wins over the files."""
+    one by one: the config read through the door (or None without files) and the options parsed with
+    their defaults taken from it (``defaults(config, args)``: option dest -> value), so that an option
+    given on the command line wins over the files."""
     args = parser.parse_args(argv)
     if not getattr(args, "config", None):
         return args, None
-    config = load_config(args.config)
+    config = read_config(args.config)
     parser.set_defaults(**defaults(config, args))
     return parser.parse_args(argv), config
 
 
-def check_section(section: str, values: Any, source: str) -> dict:
-    """One section given on its own (``--<section>-json``, what the Snakefile passes, or by hand):
-    checked against its part of the schema and filled with the schema's defaults, as a whole config is."""
-    error = schema.first_error(schema.section_schema(section), values, [section])
-    if error is not None:
-        raise UserError(_schema_error_message(error, [source]))
-    if section == "data":
-        _check_data_source(values, lambda key: source)
-    values = copy.deepcopy(values)
-    schema.fill_defaults(schema.section_schema(section), values)
-    return values
-
-
-def check_value(section: str, key: str, value: Any, source: str) -> Any:
-    """One value of a section, given apart (a command-line option: ``--workers``): checked by the schema's
-    rule for it, with ``source`` named in the message."""
-    check_section(section, {key: value}, source)
-    return value
-
-
-def with_options(section: str, values: dict, options: dict | None) -> dict:
-    """A checked section with the command-line options given beside it in place of their keys: ``options``
-    maps key -> (option, value), value None for an option not given; each given value is checked alone,
-    by the schema's rule for its key, with the option named."""
-    for key, (option, value) in (options or {}).items():
-        if value is not None:
-            values[key] = check_value(section, key, value, option)
-    return values
-
-
-def section_from_arguments(args, section: str, overrides: dict | None = None) -> dict:
-    """The section from --<section>-json (checked, defaults filled) or from --config files, each value
-    checked once, with ``overrides`` in place of their keys (``with_options``)."""
+def section_from_arguments(args, section: str, options: dict | None = None) -> dict:
+    """The section a stage reads, through the door: from --config's files or --<section>-json, with the
+    ``options`` given beside them (key in the section -> (option, value)) in place of their keys."""
+    options = {f"{section}.{key}": pair for key, pair in (options or {}).items()}
     if args.section_json is not None:
-        try:
-            values = json.loads(args.section_json)
-        except json.JSONDecodeError as error:
-            raise UserError(f"--{section}-json is not valid JSON ({error})") from None
-        values = check_section(section, values, f"--{section}-json")
-    else:
-        values = load_config(args.config)[section]
-    return with_options(section, values, overrides)
+        return read_config(None, section, options, inline=InlineSection(f"--{section}-json", section,
+                                                                         args.section_json))
+    return read_config(args.config, section, options)

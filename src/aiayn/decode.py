@@ -22,9 +22,11 @@ from torch import Tensor
 
 from aiayn.batching import length_sorted_batches
 from aiayn.checkpoint import load_model
+from aiayn.config import read_config
 from aiayn.device import choose_device
 from aiayn.errors import UserError, cli
-from aiayn.search import Hypothesis, SearchConfig, SearchModel, beam_search
+from aiayn.search import Hypothesis, SearchConfig, beam_search
+from aiayn.search_contract import SearchModel
 from aiayn.speed.decoder_cache import ScratchBuffers
 from aiayn.speed.incremental import InferenceModel
 from aiayn.speed.search_steps import FAST_STEPS
@@ -50,30 +52,41 @@ def translate(
     max_source_tokens: int | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam-search each sentence; its config.n_best hypotheses, best first, in input order
-    (``hypothesis_text`` turns one into text).
-
-    A blank line is not decoded: it gets one empty hypothesis with score 0. tokens_per_batch: a number
-    or `auto` (``resolve_tokens_per_batch``). workers: as in search_batches. What is left out is the
-    schema's `decode` default. Sentences longer than a
-    learned positional table, or of more than ``max_source_tokens`` BPE tokens, are refused before any is
-    searched, by line of ``source`` (``check_lengths``).
+    (``hypothesis_text`` turns one into text). The Python API: the values given are checked by the
+    schema's rules for their `decode` keys; what is left out is the schema's default (no
+    ``max_source_tokens``: no limit). ``translate_settings`` does the work.
     """
+    section = read_config(None, "decode", {
+        f"decode.{key}": (key, value) for key, value in (("tokens_per_batch", tokens_per_batch), ("workers", workers),
+                                                         ("max_source_tokens", max_source_tokens))})
+    settings = DecodeSettings(config or SearchConfig(), section["tokens_per_batch"], section["workers"],
+                              max_source_tokens)
+    return translate_settings(model, processor, sentences, settings, device, progress, source)
+
+
+def translate_settings(model: SearchModel, processor: Any, sentences: Sequence[str], settings: DecodeSettings,
+                       device: torch.device | str = "cpu", progress: bool = True,
+                       source: str = "the input") -> list[list[Hypothesis]]:
+    """``translate`` with settings that came through the door (``DecodeSettings.from_section``), not checked
+    again. A blank line is not decoded: it gets one empty hypothesis with score 0. Sentences longer than a
+    learned positional table, or of more than ``settings.max_source_tokens`` BPE tokens, are refused before
+    any is searched, by line of ``source`` (``check_lengths``)."""
     from tqdm import tqdm
 
     device = torch.device(device)
-    config = config or SearchConfig()
-    tokens_per_batch = resolve_tokens_per_batch(tokens_per_batch, device)
+    config = settings.search
+    tokens_per_batch = tokens_for_device(settings.tokens_per_batch, device)
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
         return results
     # Source sequences are BPE ids then EOS, no BOS (the binarize stage's convention).
     encoded = [ids + [EOS_ID] for ids in processor.encode([sentences[i] for i in to_decode], out_type=int)]
-    check_lengths(model, [len(ids) for ids in encoded], to_decode, source, max_source_tokens)
+    check_lengths(model, [len(ids) for ids in encoded], to_decode, source, settings.max_source_tokens)
     batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
     padded = [_pad([encoded[i] for i in batch], device) for batch in batches]
     with tqdm(total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr) as bar:
-        searched = search_batches(model, padded, config, workers, on_done=bar.update)
+        searched = _search_batches(model, padded, config, search_workers(settings.workers, device), bar.update)
     for batch, hypotheses in zip(batches, searched):
         for position, sentence_hypotheses in zip(batch, hypotheses):
             results[to_decode[position]] = sentence_hypotheses
@@ -101,9 +114,6 @@ def check_lengths(model: SearchModel, lengths: Sequence[int], lines: Sequence[in
         _refuse_learned_overflow(config.max_positions, lengths, lines, source)
     if max_source_tokens is None:
         return
-    from aiayn.config import check_value
-
-    check_value("decode", "max_source_tokens", max_source_tokens, "max_source_tokens")
     too_long = [(line + 1, length) for line, length in zip(lines, lengths) if length - 1 > max_source_tokens]
     if too_long:
         raise UserError(
@@ -133,13 +143,15 @@ def hypothesis_text(processor: Any, hypothesis: Hypothesis) -> str:
 
 
 def resolve_tokens_per_batch(tokens_per_batch: int | str | None, device: torch.device | str) -> int:
-    """decode.tokens_per_batch (None: the schema's default) as a number, checked by the schema's rule:
-    `auto` by the device's type (AUTO_TOKENS_PER_BATCH, else CPU_TOKENS_PER_BATCH); a number as it is."""
-    from aiayn.config import check_value, schema_default
+    """decode.tokens_per_batch as the Python API gives it (None: the schema's default), checked by the
+    schema's rule, as a number (``tokens_for_device``)."""
+    section = read_config(None, "decode", {"decode.tokens_per_batch": ("tokens_per_batch", tokens_per_batch)})
+    return tokens_for_device(section["tokens_per_batch"], device)
 
-    if tokens_per_batch is None:
-        tokens_per_batch = schema_default("decode.tokens_per_batch")
-    check_value("decode", "tokens_per_batch", tokens_per_batch, "tokens_per_batch")
+
+def tokens_for_device(tokens_per_batch: int | str, device: torch.device | str) -> int:
+    """A checked decode.tokens_per_batch as a number: `auto` by the device's type (AUTO_TOKENS_PER_BATCH,
+    else CPU_TOKENS_PER_BATCH); a number as it is."""
     if tokens_per_batch == "auto":
         return AUTO_TOKENS_PER_BATCH.get(torch.device(device).type, CPU_TOKENS_PER_BATCH)
     return tokens_per_batch
@@ -187,12 +199,14 @@ def search_batches(
     decode faster than one worker with all the threads (BENCHMARKS.md).
     on_done(sentences) is called as each batch finishes (from the calling thread).
     Under inference_mode, with bf16 autocast on CUDA, with the search's fast steps (``FAST_STEPS``).
+    The Python API: workers is checked by the schema's rule (None: the schema's default).
     """
-    from aiayn.config import check_value, schema_default
+    workers = read_config(None, "decode", {"decode.workers": ("workers", workers)})["workers"]
+    return _search_batches(model, batches, config or SearchConfig(), workers, on_done)
 
-    config = config or SearchConfig()
-    workers = check_value("decode", "workers", schema_default("decode.workers") if workers is None else workers,
-                          "workers")
+
+def _search_batches(model: SearchModel, batches: Sequence[Tensor], config: SearchConfig, workers: int,
+                    on_done: Callable[[int], None] | None = None) -> list[list[list[Hypothesis]]]:
     if not batches:
         return []
     device = batches[0].device
@@ -269,7 +283,7 @@ class DecodeSettings:
     search: SearchConfig
     tokens_per_batch: int | str  # a number, or "auto" (``resolve_tokens_per_batch``)
     workers: int
-    max_source_tokens: int
+    max_source_tokens: int | None  # None: no limit (the Python API's ``translate`` without one)
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> DecodeSettings:
@@ -304,12 +318,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
-    tokens_per_batch = resolve_tokens_per_batch(settings.tokens_per_batch, device)
+    tokens_per_batch = tokens_for_device(settings.tokens_per_batch, device)
     workers = search_workers(settings.workers, device)
 
     start = time.perf_counter()
-    hypotheses = translate(model, processor, sentences, config, tokens_per_batch, device, workers=workers,
-                           source=args.input, max_source_tokens=settings.max_source_tokens)
+    hypotheses = translate_settings(model, processor, sentences, settings, device, source=args.input)
     seconds = max(time.perf_counter() - start, 1e-9)
     # Target tokens count each non-empty output's EOS, as fairseq's generated-token counts do.
     target_tokens = sum(len(best[0].tokens) + 1 for best, line in zip(hypotheses, sentences) if line.strip())

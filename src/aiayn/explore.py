@@ -123,13 +123,12 @@ def explorer_data(model: torch.nn.Module, processor: Any, sentences: Sequence[st
                   model_name: str = "") -> dict[str, Any]:
     """Everything the page shows: each sentence translated by beam search (``settings``: a
     ``DecodeSettings``), then its attention under teacher forcing on that translation."""
-    from aiayn.decode import hypothesis_text, translate
+    from aiayn.decode import hypothesis_text, translate_settings
     from aiayn.speed.incremental import InferenceModel
 
     device = model.embedding.weight.device
-    hypotheses = translate(InferenceModel(model), processor, sentences, settings.search, settings.tokens_per_batch,
-                           device, progress=False, source="the sentences",
-                           max_source_tokens=settings.max_source_tokens)
+    hypotheses = translate_settings(InferenceModel(model), processor, sentences, settings, device, progress=False,
+                                    source="the sentences")
     config = model.config
     return {
         "format": DATA_FORMAT,
@@ -198,14 +197,14 @@ def arguments() -> argparse.ArgumentParser:
     settings.add_argument("--config", nargs="+", metavar="FILE",
                           help="config files whose `decode` section sets the search (default: the schema's)")
     settings.add_argument("--decode-json", dest="section_json", metavar="JSON",
-                          help="the `decode` section as JSON (what the Snakefile passes)")
+                          help="the `decode` section as JSON")
     parser.add_argument("--out", required=True, help="the HTML page to write")
     return parser
 
 
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.config import section_defaults, section_from_arguments
+    from aiayn.config import InlineSection, read_config
     from aiayn.decode import DecodeSettings
     from aiayn.device import choose_device
     from aiayn.writing import prepare_output, refuse_overwriting_inputs
@@ -221,9 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.sentence is not None and not all(sentence.strip() for sentence in args.sentence):
         raise UserError("--sentence: a blank sentence has no attention to show; give words")
     prepare_output(args.out, create=False)  # refused before the model is loaded, not after
-    section = (section_from_arguments(args, "decode") if args.config or args.section_json is not None
-               else section_defaults("decode"))
-    settings = DecodeSettings.from_section(section)
+    inline = InlineSection("--decode-json", "decode", args.section_json) if args.section_json is not None else None
+    settings = DecodeSettings.from_section(read_config(args.config, "decode", inline=inline))
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads {args.threads} must be at least 1")

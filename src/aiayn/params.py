@@ -91,11 +91,11 @@ def presets_from_config(paths: Sequence[str] | None, names: Sequence[str] = (),
                         vocab_size: int | None = None) -> list[dict[str, Any]]:
     """The ``--preset-json`` entries of the presets ``names`` (every preset a config trains when none is
     named), from the config files ``paths`` or, without them, the paper's presets at its vocabulary size."""
-    from aiayn.config import check_config, load_config, model_fields, resolve_preset
+    from aiayn.config import model_fields, read_config, resolve_preset
     from aiayn.presets import paper_presets, paper_vocab_size
 
     if paths:
-        config = load_config(paths)
+        config = read_config(paths)
         models = list(names) or config["models"]
         vocab_size = vocab_size or config["bpe"]["vocab_size"]
     else:
@@ -104,7 +104,7 @@ def presets_from_config(paths: Sequence[str] | None, names: Sequence[str] = (),
         if unknown:
             raise UserError(f"aiayn params: no preset of the paper is named {', '.join(map(repr, unknown))} (the "
                             f"paper's: {', '.join(paper_presets())}; a preset of your own: add --config FILE)")
-        config = check_config({"models": models}, ["aiayn params"])
+        config = read_config(merged={"models": models}, sources=["aiayn params"])
         vocab_size = vocab_size or paper_vocab_size()
     entries = []
     for name in models:

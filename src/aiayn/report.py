@@ -344,18 +344,15 @@ def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
 def attention_explorer(args: argparse.Namespace, config: dict | None = None) -> Path:
     """The attention explorer's page of --attention-model (aiayn.explore), on the paper's two sentences and the
     first of --explorer-dev (those first where the vocabulary cannot read the paper's), translated with the
-    decode stage's search: --decode-json's, else --config's decode section, else the schema's."""
-    from aiayn.config import check_section, section_defaults
+    decode stage's search: --decode-json's, else --config's decode section (read already), else the schema's."""
+    from aiayn.config import InlineSection, read_config
     from aiayn.decode import DecodeSettings
     from aiayn.explore import default_sentences, write_explorer
 
     if args.decode_json is not None:
-        try:
-            section = check_section("decode", json.loads(args.decode_json), "--decode-json")
-        except json.JSONDecodeError as error:
-            raise UserError(f"--decode-json is not valid JSON ({error})") from None
+        section = read_config(None, "decode", inline=InlineSection("--decode-json", "decode", args.decode_json))
     else:
-        section = config["decode"] if config else section_defaults("decode")
+        section = config["decode"] if config else read_config(None, "decode")
     sentences = default_sentences(args.explorer_dev, vocabulary=args.spm_model)
     written = write_explorer(args.attention_model, args.spm_model, sentences, Path(args.out_dir) / ATTENTION_EXPLORER,
                              DecodeSettings.from_section(section))
@@ -364,14 +361,14 @@ def attention_explorer(args: argparse.Namespace, config: dict | None = None) -> 
 
 @cli
 def main(argv=None):
-    from aiayn.config import parse_with_config, resolve_presets
+    from aiayn.config import parse_with_config, presets_from_json, resolve_presets
 
     parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
     settings = parser.add_mutually_exclusive_group(required=True)
     settings.add_argument("--config", nargs="+", metavar="FILE",
                           help="config files (merged in order, validated once): their models' presets, their decode "
                                "section (the explorer's search) and tracking_uri")
-    settings.add_argument("--presets-json", help="resolved presets by name (what the Snakefile passes)")
+    settings.add_argument("--presets-json", help="resolved presets by name")
     parser.add_argument("--runs", type=Path, nargs="+", required=True,
                         help="each run's final.json (the train stage's output)")
     parser.add_argument("--dev-scores", type=Path, nargs="+", required=True,
@@ -395,7 +392,7 @@ def main(argv=None):
     parser.add_argument("--explorer-dev", type=Path,
                         help="dev source text: its first sentences join the paper's two on the attention explorer's page")
     parser.add_argument("--decode-json", help="the `decode` section as JSON: the explorer's translations are searched "
-                                              "with it (default: the schema's)")
+                                              "with it (default: --config's, else the schema's)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
     args, config = parse_with_config(parser, argv, lambda config, _: {"tracking_uri": config["tracking_uri"]})
@@ -410,13 +407,8 @@ def main(argv=None):
          "--config": args.config})
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
-    if config:
-        presets = resolve_presets(config, args.config)
-    else:
-        try:
-            presets = json.loads(args.presets_json)
-        except json.JSONDecodeError as error:
-            raise UserError(f"--presets-json is not valid JSON ({error})") from None
+    presets = resolve_presets(config, args.config) if config else presets_from_json(args.presets_json,
+                                                                                      "--presets-json")
     report = build_report(presets, run_files_from_arguments(args), args.out_dir, dev_references=args.dev_references,
                           bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures)
     files = report["files"]

@@ -13,6 +13,7 @@ All of stdin is read before decoding starts, so that sentences of similar length
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import os
 import stat
@@ -21,7 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Sequence, TextIO
 
-from aiayn.decode import add_runtime_arguments, hypothesis_text, load_runtime, tokens_per_batch_argument, translate
+from aiayn.decode import (DecodeSettings, add_runtime_arguments, hypothesis_text, load_runtime,
+                          tokens_per_batch_argument, translate_settings)
 from aiayn.errors import UserError, cli
 from aiayn.reading import GZIP_MAGIC, _not_text
 from aiayn.writing import refuse_overwriting_inputs
@@ -137,12 +139,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict]:
     """The options, and the `decode` section they stand on: --config's files' (checked as they are read),
     else the schema's defaults, with each option given on the command line in place of its key, checked
     by the schema's rule for it."""
-    from aiayn.config import load_config, section_defaults, with_options
+    from aiayn.config import read_config
 
     args = arguments().parse_args(argv)
-    section = load_config(args.config)["decode"] if args.config else section_defaults("decode")
-    return args, with_options("decode", section, {
-        key: ("--" + option.replace("_", "-"), getattr(args, option)) for option, key in OPTIONS.items()})
+    return args, read_config(args.config, "decode", {
+        f"decode.{key}": ("--" + option.replace("_", "-"), getattr(args, option)) for option, key in OPTIONS.items()})
 
 
 @cli
@@ -154,11 +155,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     refuse_overwriting_inputs({"stdout": sys.stdout}, {"--model": args.model, "--spm-model": args.spm_model,
                                                        "stdin": sys.stdin})
 
-    config = SearchConfig.from_section(section, n_best=args.n_best)
+    settings = dataclasses.replace(DecodeSettings.from_section(section),
+                                   search=SearchConfig.from_section(section, n_best=args.n_best))
+    config = settings.search
     model, processor, device = load_runtime(args)
     sentences = read_source(sys.stdin.buffer)
-    hypotheses = translate(model, processor, sentences, config, section["tokens_per_batch"], device, progress=False,
-                           workers=section["workers"], source="stdin", max_source_tokens=section["max_source_tokens"])
+    hypotheses = translate_settings(model, processor, sentences, settings, device, progress=False, source="stdin")
     results = [[(hypothesis.score, hypothesis_text(processor, hypothesis)) for hypothesis in sentence]
                for sentence in hypotheses]
     write_translations(results, config.n_best, sys.stdout)

@@ -7,7 +7,7 @@ rule bpe:
         vocab=f"{RESULTS}/bpe/{layout.SPM_VOCAB}",
         info=f"{RESULTS}/bpe/{layout.BPE_INFO}",
     params:
-        bpe=to_json(config["bpe"]),
+        bpe=to_json(config["bpe"]),  # what reruns the stage when its settings change
         out_dir=lambda w, output: Path(output.model).parent,
     threads: all_cores()
     log:
@@ -20,4 +20,4 @@ rule bpe:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "bpe --bpe-json {params.bpe:q} --threads {threads} --out-dir {params.out_dir} {input}"
+        "bpe --config {SETTINGS:q} --threads {threads} --out-dir {params.out_dir} {input}"

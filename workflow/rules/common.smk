@@ -6,7 +6,8 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from aiayn import layout
-from aiayn.config import ConfigOverrides, check_config, check_config_files, resolve_presets, schema_default, to_json
+from aiayn.config import (ConfigOverrides, check_config_files, read_config, resolve_presets, schema_default, to_json,
+                          write_resolved)
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
 from aiayn.train.rendezvous import nodes_of
@@ -43,12 +44,12 @@ def all_cores():
 os.environ.update(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 
-# Validate once, before any job: one message naming the file and key, exit status 2. The files first, as
-# Snakemake's reader keeps the last of a key given twice without a word; then the schema's defaults fill
-# every key the config files leave out (check_config).
+# Validate once, before any job, through the one door every stage reads its settings by (read_config): one
+# message naming the file and key, exit status 2. The files first, as Snakemake's reader keeps the last of
+# a key given twice without a word; then the schema's defaults fill every key the config files leave out.
 try:
     check_config_files(config_files())
-    _validated = check_config(config, config_sources())
+    _validated = read_config(merged=config, sources=config_sources())
 except UserError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
@@ -59,6 +60,10 @@ RESULTS = f"results/{config['experiment']}"
 SRC = config["data"]["src_lang"]
 TGT = config["data"]["tgt_lang"]
 PRESETS = resolve_presets(config)
+# The config as read, resolved, for the jobs: each reads its settings from it through the same door
+# (`--config {SETTINGS}`). Named by its content, so that a setting that changes no output (RUNTIME_ONLY)
+# changes neither a rule's code nor its params: its jobs rerun only for what their params hold.
+SETTINGS = write_resolved(config, f"{RESULTS}/config")
 # The logs as they were before any job ran: what changed was written by this run's jobs.
 LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
 

@@ -5,7 +5,7 @@ rule download:
         texts=[data_text(split, lang) for split in layout.SPLITS for lang in (SRC, TGT)],
         stats=f"{RESULTS}/data/{layout.DATA_STATS}",
     params:
-        data=to_json(config["data"]),
+        data=to_json(config["data"]),  # what reruns the stage when its settings change
         out_dir=lambda w, output: Path(output.stats).parent,
     log:
         log_file("download"),
@@ -18,4 +18,4 @@ rule download:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "download --data-json {params.data:q} --out-dir {params.out_dir}"
+        "download --config {SETTINGS:q} --out-dir {params.out_dir}"

@@ -60,10 +60,10 @@ rule report:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "report --presets-json {params.presets:q} --out-dir {params.out_dir} --base {params.base} "
+        "report --config {SETTINGS:q} --out-dir {params.out_dir} --base {params.base} "
         "--runs {input.runs} --dev-scores {input.dev_scores} --test-scores {input.test_scores} "
         "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
         "--averages {input.averages} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
-        "--explorer-dev {input.dev_sources} --decode-json {params.decode:q} "
+        "--explorer-dev {input.dev_sources} "
         "--tracking-uri {params.tracking_uri:q}"

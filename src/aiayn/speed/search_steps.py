@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from aiayn.search import PLAIN_STEPS, NextRows, SearchCache, token_log_probs
+from aiayn.search_contract import PLAIN_STEPS, NextRows, SearchCache, token_log_probs
 from aiayn.tokens import EOS_ID
 
 

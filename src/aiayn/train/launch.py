@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import check_resolved_preset, check_section, check_value, load_config, resolve_preset, schema_default
+from aiayn.config import InlineSection, check_resolved_preset, read_config, resolve_preset, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.folders import missing_folders, remove_empty_folders
 from aiayn.writing import refuse_overwriting_inputs, remove_stale_temporaries_in
@@ -135,42 +135,29 @@ def _release_run_lock(handle, lock_path: Path, created: list[Path]) -> None:
     remove_empty_folders(created)
 
 
-def check_preset_json(preset, source: str) -> None:
-    """A resolved preset given as JSON is checked as a config's preset is: every key set, and each value
-    against the schema's ``$defs.preset`` (types and bounds: ``warmup_steps: 0`` is refused here, not met as
-    a division by zero at step 1). The resolved preset also carries its ``name``."""
-    from aiayn import schema
-
-    check_resolved_preset(preset, source)
-    definitions = schema.schema().get("$defs", {})
-    node = {"$defs": definitions, **definitions["preset"]}
-    node["properties"] = {**node["properties"], "name": {"type": "string"}}
-    error = schema.first_error(node, preset)
-    if error is not None:
-        raise UserError(schema.error_message(error, lambda path: source))
-
-
 def _settings(args) -> tuple[dict, dict, str]:
-    """(resolved preset, `train` section, experiment), each validated once: from --config files and --preset,
-    as every stage reads config files, or from the Snakefile's --preset-json and --train-json."""
+    """(resolved preset, `train` section, experiment), through the config door (``read_config``, with
+    --log-every given beside): from --config files and --preset, as every stage reads config files, or from
+    --preset-json and --train-json given by hand."""
     from_files, from_json = args.config is not None, (args.preset_json, args.train_json) != (None, None)
     if from_files == from_json or (from_files and not args.preset) or (from_json and None in (args.preset_json,
                                                                                               args.train_json)):
         raise UserError("aiayn train takes its settings either as --config FILE... with --preset NAME (the preset "
-                        "to train), or as --preset-json and --train-json together (what the Snakefile passes)")
+                        "to train), or as --preset-json and --train-json together")
+    options = {"train.log_every": ("--log-every", args.log_every)}
     if from_files:
-        config = load_config(args.config)
+        config = read_config(args.config, None, options)
         return (resolve_preset(config, args.preset, [str(path) for path in args.config]), config["train"],
                 config["experiment"])
     if args.preset is not None:
         raise UserError("--preset goes with --config; --preset-json gives the whole resolved preset")
     try:
         preset = json.loads(args.preset_json)
-        train_section = json.loads(args.train_json)
     except json.JSONDecodeError as error:
-        raise UserError(f"--preset-json/--train-json is not valid JSON ({error})") from None
-    check_preset_json(preset, "--preset-json")
-    return preset, check_section("train", train_section, "--train-json"), schema_default("experiment")
+        raise UserError(f"--preset-json is not valid JSON ({error})") from None
+    check_resolved_preset(preset, "--preset-json")
+    train_section = read_config(None, "train", options, inline=InlineSection("--train-json", "train", args.train_json))
+    return preset, train_section, schema_default("experiment")
 
 
 def ignore_stop_signals() -> None:
@@ -191,12 +178,13 @@ def _report_status(status: int) -> int:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="aiayn train", description=__doc__.splitlines()[0])
-    settings = parser.add_argument_group("settings: config files and a preset's name, or the Snakefile's JSON")
+    settings = parser.add_argument_group("settings: config files and a preset's name (what the Snakefile passes), "
+                                         "or a resolved preset and the train section as JSON")
     settings.add_argument("--config", nargs="+", metavar="FILE",
                           help="config files, merged in order and validated (with --preset)")
     settings.add_argument("--preset", help="with --config: the preset to train (one of the config's or the paper's)")
-    settings.add_argument("--preset-json", help="the resolved preset (what the Snakefile passes)")
-    settings.add_argument("--train-json", help="the config's `train` section (what the Snakefile passes)")
+    settings.add_argument("--preset-json", help="a resolved preset (every key of config/README.md's preset table)")
+    settings.add_argument("--train-json", help="the config's `train` section")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--train-data", required=True, type=Path, help="binarized train split folder")
     parser.add_argument("--dev-data", type=Path, help="binarized dev split folder")
@@ -220,8 +208,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     preset, train_section, experiment = _settings(args)
     args.experiment = args.experiment or experiment
-    if args.log_every is not None:
-        train_section["log_every"] = check_value("train", "log_every", args.log_every, "--log-every")
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
