@@ -24,7 +24,7 @@ import torch
 
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
-from aiayn.config import check_value, parse_with_config, schema_default
+from aiayn.config import parse_with_config, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import AVERAGE_SUMMARY
@@ -152,7 +152,7 @@ def main(argv=None):
     parser.add_argument("--summary", type=Path, help=f"a JSON file for that comparison (the DAG writes "
                         f"{AVERAGE_SUMMARY} beside the model)")
     parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+    parser.add_argument("--precision", default="fp32", metavar="fp32|bf16|auto",
                         help="of the dev evaluation, as train.precision (default: fp32)")
     parser.add_argument("--dev-tokens", type=int, default=schema_default("train.device_tokens"), metavar="N",
                         help="tokens a side in one dev batch, as train.device_tokens (default: %(default)s, the "
@@ -162,8 +162,7 @@ def main(argv=None):
                              "on dev by more than noise, else the average; paper, the average always (default: "
                              "%(default)s, the schema's average.choose)")
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
-    args, _ = parse_with_config(parser, argv, _config_defaults)
-    check_value("average", "choose", args.choose, "--choose")
+    args, _ = parse_with_config(parser, argv, _config_defaults, OPTION_KEYS)
     if args.preset is not None and args.config is None:
         raise UserError("--preset names a preset of --config's files; give --config FILE... too")
     if (args.last is None) != (args.checkpoint_dir is None):
@@ -180,8 +179,6 @@ def main(argv=None):
                                         "--config": args.config})
     if args.summary and not args.dev_data:
         raise UserError("--summary is where the dev comparison goes: give --dev-data too, or leave --summary out")
-    if args.dev_tokens < 1:
-        raise UserError(f"--dev-tokens {args.dev_tokens}: give the tokens of one dev batch, at least 1")
     if args.log_to_run is not None:  # read before the work: a wrong path costs nothing and leaves nothing
         from aiayn.tracking import read_run_file
 
@@ -212,6 +209,11 @@ def main(argv=None):
             # a param, as asked of MLflow's runs view; the tag keeps the latest where a rerun chose anew
             params["reported_model"] = tags["reported_model"] = comparison["reported_model"]
         log_to_existing_run(args.log_to_run, args.tracking_uri, metrics=metrics, params=params, tags=tags)
+
+
+# the options that set a config key: checked by the schema's rule for it, and winning over --config's files
+OPTION_KEYS = {"precision": "train.precision", "dev_tokens": "train.device_tokens", "choose": "average.choose",
+               "tracking_uri": "tracking_uri"}
 
 
 def _config_defaults(config: dict, args: argparse.Namespace) -> dict:

@@ -108,7 +108,8 @@ def main(argv=None):
     parser.add_argument("--latest", action="store_true", help="only the newest finished run of each preset and seed")
     parser.add_argument("--csv", help="also write the table to this CSV file")
     args, _ = parse_with_config(parser, argv, lambda config, _: {"experiment": config["experiment"],
-                                                                 "tracking_uri": config["tracking_uri"]})
+                                                                 "tracking_uri": config["tracking_uri"]},
+                                {"experiment": "experiment", "tracking_uri": "tracking_uri"})
     if args.experiment is None:
         raise UserError("aiayn compare: name the runs' experiment, --experiment NAME (the config's `experiment`), "
                         "or give the config: --config FILE...")

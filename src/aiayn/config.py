@@ -343,7 +343,9 @@ def read_config(files: Sequence[str | Path] | None = None, section: str | None =
     given = GivenOptions(options or {})
     if merged is None and not files:
         values = inline.values[section] if inline is not None else {}
-        if isinstance(values, dict):  # else the schema's message names it
+        if not isinstance(given.values.get(section, {}), dict):  # a top-level key (tracking_uri), given alone
+            values = given.values[section]
+        elif isinstance(values, dict):  # else the schema's message names it
             values = merge(values, given.values.get(section, {}))
         named = [source for source in (inline, given if given.values else None) if source is not None] or ["defaults"]
         error = schema.first_error(schema.section_schema(section), values, [section])
@@ -382,15 +384,28 @@ def write_resolved(config: dict, folder: str | Path) -> str:
     return str(path)
 
 
-def parse_with_config(parser, argv, defaults) -> tuple[Any, dict | None]:
+def parse_with_config(parser, argv, defaults, keys: dict | None = None) -> tuple[Any, dict | None]:
     """``parser``'s options, where a stage takes ``--config FILE...`` beside options the Snakefile passes
     one by one: the config read through the door (or None without files) and the options parsed with
-    their defaults taken from it (``defaults(config, args)``: option dest -> value), so that an option
-    given on the command line wins over the files."""
-    args = parser.parse_args(argv)
+    their defaults taken from it (``defaults(config, args)``: option dest -> value). ``keys`` maps the dest
+    of an option that sets a config key to that dotted key (``"choose": "average.choose"``): given on the
+    command line, it goes through the door beside the files (checked by the schema's rule for its key, a
+    wrong value blamed on the option) and wins over them; without files it is checked alone, by its
+    section's rule. An option left at its default sets nothing."""
+    keys, unset = keys or {}, object()
+    args = parser.parse_args(argv)  # --help and a wrong option end here, with the real defaults shown
+    saved = {dest: parser.get_default(dest) for dest in keys}
+    parser.set_defaults(**dict.fromkeys(keys, unset))  # parsed again: which of them the command line gave
+    given = parser.parse_args(argv)
+    parser.set_defaults(**saved)
+    names = {action.dest: max(action.option_strings, key=len) for action in parser._actions if action.option_strings}
+    options = {key: (names[dest], getattr(given, dest)) for dest, key in keys.items()
+               if getattr(given, dest) is not unset}
     if not getattr(args, "config", None):
+        for section in sorted({key.split(".")[0] for key in options}):
+            read_config(None, section, {key: pair for key, pair in options.items() if key.split(".")[0] == section})
         return args, None
-    config = read_config(args.config)
+    config = read_config(args.config, None, options)
     parser.set_defaults(**defaults(config, args))
     return parser.parse_args(argv), config
 

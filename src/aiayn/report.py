@@ -395,7 +395,8 @@ def main(argv=None):
                                               "with it (default: --config's, else the schema's)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
-    args, config = parse_with_config(parser, argv, lambda config, _: {"tracking_uri": config["tracking_uri"]})
+    args, config = parse_with_config(parser, argv, lambda config, _: {"tracking_uri": config["tracking_uri"]},
+                                     {"tracking_uri": "tracking_uri"})
     refuse_overwriting_inputs(
         {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
                        "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png",

@@ -233,7 +233,8 @@ def main(argv=None):
     parser.add_argument("--split", default="test", help="metric name prefix with --log-to-run (dev or test)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
     args, _ = parse_with_config(parser, argv, lambda config, _: {"lang": config["data"]["tgt_lang"],
-                                                                 "tracking_uri": config["tracking_uri"]})
+                                                                 "tracking_uri": config["tracking_uri"]},
+                                {"lang": "data.tgt_lang", "tracking_uri": "tracking_uri"})
     refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
                               {"--hyp": args.hyp, "--ref": args.ref, "--log-to-run": args.log_to_run,
                                "--config": args.config})

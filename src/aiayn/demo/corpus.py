@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--src-lang", default=schema_default("data.src_lang"), help="suffix of the English-like files")
     parser.add_argument("--tgt-lang", default=schema_default("data.tgt_lang"), help="suffix of the German-like files")
     args, _ = parse_with_config(parser, argv, lambda config, _: {
-        **config["data"]["demo"], "src_lang": config["data"]["src_lang"], "tgt_lang": config["data"]["tgt_lang"]})
+        **config["data"]["demo"], "src_lang": config["data"]["src_lang"], "tgt_lang": config["data"]["tgt_lang"]},
+        {**{key: f"data.demo.{key}" for key in demo}, "src_lang": "data.src_lang", "tgt_lang": "data.tgt_lang"})
     if args.src_lang == args.tgt_lang:
         raise UserError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they must differ")
     corpus = generate_corpus(args.seed, {"train": args.train, "dev": args.dev, "test": args.test})
