@@ -322,8 +322,8 @@ REFUSED = [
             ("spm.model", "cannot be read, permission denied"), "chmod a+r", absent=("not a SentencePiece",),
             unprivileged=True),
     Refused("binarize: no workers",
-            lambda case, shared: binarize(case, shared, workers="0"),
-            ("--workers 0",), "at least 1"),
+            lambda case, shared: binarize(case, shared, workers="0"),  # the schema's rule, through the door
+            ("--workers", "binarize.workers = 0"), "minimum of 1"),
     Refused("binarize: workers that are not a number",
             lambda case, shared: binarize(case, shared, workers="many"),
             ("aiayn binarize", "--workers", "'many'"), "--help"),

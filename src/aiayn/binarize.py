@@ -334,10 +334,10 @@ def main(argv=None):
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--workers", type=int, default=None, help="processes (default: binarize.workers)")
     args = parser.parse_args(argv)
-    settings = section_from_arguments(args, "binarize")
+    settings = section_from_arguments(args, "binarize", {"workers": ("--workers", args.workers)})
     max_tokens = settings["max_tokens"] if args.split == "train" else None  # never drop evaluation sentences
     meta = binarize_split(args.split, args.src, args.tgt, args.spm_model, args.out_dir, max_tokens,
-                          settings["workers"] if args.workers is None else args.workers)
+                          settings["workers"])
     print(f"{args.split}: {binarized_summary(meta)}")
 
 
