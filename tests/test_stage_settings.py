@@ -25,6 +25,7 @@ def test_every_command_takes_config_files(command):
     with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
         module.main(["--help"])
     assert "--config FILE" in shown.getvalue()
+    assert "<object object" not in shown.getvalue()  # the defaults shown are the real ones
 
 
 def test_the_search_defaults_are_the_schemas_read_where_they_are_used():
@@ -264,3 +265,101 @@ def test_the_resolved_config_reads_back_as_the_config_it_was_written_from(tmp_pa
     path = write_resolved(config, tmp_path)
     assert read_config([path]) == config
     assert write_resolved(config, tmp_path) == path  # the same config, the same file
+
+
+# --- options given beside the files go through the door: checked by the schema's rule for their key ---------
+
+FILE_SETTINGS = ("models: [base]\nexperiment: fromfile\ntracking_uri: sqlite:///fromfile.db\n"
+                 "data: {tgt_lang: it, demo: {seed: 3, train: 7}}\ntrain: {device_tokens: 999, precision: fp32}\n"
+                 "average: {choose: dev}\nbinarize: {workers: 3}\n")
+
+# command, option, a value the schema's rule for its key refuses, that key
+BAD_OPTIONS = [
+    ("average", "--precision", "fp16", "train.precision"),
+    ("average", "--dev-tokens", "0", "train.device_tokens"),
+    ("average", "--choose", "nope", "average.choose"),
+    ("compare", "--experiment", "bad name", "experiment"),
+    ("demo", "--train", "0", "data.demo.train"),
+    ("demo", "--dev", "-1", "data.demo.dev"),
+    ("binarize", "--workers", "0", "binarize.workers"),
+]
+
+
+@pytest.mark.parametrize("files", [True, False], ids=["beside_config", "alone"])
+@pytest.mark.parametrize("command, option, value, key", BAD_OPTIONS)
+def test_an_option_beside_the_config_files_is_checked_by_the_schemas_rule_and_named(command, option, value, key,
+                                                                                   files, tmp_path, capsys):
+    """Given beside --config's files (which set the key well) or without them, a wrong value is refused by the
+    schema's rule for its key, exit 2, with the option named; nothing is run."""
+    config = write(tmp_path / "c.yaml", FILE_SETTINGS)
+    settings = ["--config", config] if files else (["--binarize-json", "{}"] if command == "binarize" else [])
+    argv = [command, *settings, *[a.format(tmp=tmp_path) for a in LEAST[command]], f"{option}={value}"]
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert f"error: {option}: {key} = " in error, error
+    assert not (tmp_path / "out").exists()
+
+
+# command, the option's dest, the option and a good value (as typed, as parsed), the key, the files' value of it
+GOOD_OPTIONS = [
+    ("average", "dev_tokens", "--dev-tokens", "123", 123, "train.device_tokens", 999),
+    ("average", "precision", "--precision", "bf16", "bf16", "train.precision", "fp32"),
+    ("average", "choose", "--choose", "paper", "paper", "average.choose", "dev"),
+    ("score", "lang", "--lang", "fr", "fr", "data.tgt_lang", "it"),
+    ("compare", "experiment", "--experiment", "other", "other", "experiment", "fromfile"),
+    ("compare", "tracking_uri", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db", "tracking_uri",
+     "sqlite:///fromfile.db"),
+    ("report", "tracking_uri", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db", "tracking_uri",
+     "sqlite:///fromfile.db"),
+    ("demo", "seed", "--seed", "5", 5, "data.demo.seed", 3),
+]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given", "left_at_default"])
+@pytest.mark.parametrize("command, dest, option, typed, value, key, from_file", GOOD_OPTIONS)
+def test_a_good_option_beside_the_config_files_wins_and_one_left_out_does_not(command, dest, option, typed, value,
+                                                                              key, from_file, given, tmp_path,
+                                                                              monkeypatch):
+    """The option given wins over the files, in the command's arguments and in the config read through the
+    door; an option left at its default leaves the files' value."""
+    import aiayn.config as config_module
+
+    seen = {}
+    real = config_module.parse_with_config
+
+    def spy(*arguments, **keywords):
+        seen["args"], seen["config"] = real(*arguments, **keywords)
+        raise Entered
+
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    monkeypatch.setattr(config_module, "parse_with_config", spy)
+    if hasattr(module, "parse_with_config"):
+        monkeypatch.setattr(module, "parse_with_config", spy)
+    config = write(tmp_path / "c.yaml", FILE_SETTINGS)
+    argv = ["--config", config, *[a.format(tmp=tmp_path) for a in LEAST[command]]]
+    with pytest.raises(Entered):
+        module.main(argv + ([option, typed] if given else []))
+    expected = value if given else from_file
+    assert getattr(seen["args"], dest) == expected
+    node = seen["config"]
+    for part in key.split("."):
+        node = node[part]
+    assert node == expected
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given", "left_at_default"])
+def test_binarize_workers_beside_the_config_files_wins(given, tmp_path, monkeypatch):
+    import aiayn.binarize as binarize
+
+    seen = []
+
+    def spy(*arguments):
+        seen.append(arguments[-1])
+        raise Entered
+
+    monkeypatch.setattr(binarize, "binarize_split", spy)
+    config = write(tmp_path / "c.yaml", FILE_SETTINGS)
+    with pytest.raises(Entered):
+        binarize.main(["--config", config, *[a.format(tmp=tmp_path) for a in LEAST["binarize"]]]
+                      + (["--workers", "1"] if given else []))
+    assert seen == [1 if given else 3]
