@@ -18,5 +18,5 @@ rule binarize:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "binarize --config {SETTINGS:q} --split {wildcards.split} --workers {threads} "
+        "binarize " f"--config {SETTINGS} " "--split {wildcards.split} --workers {threads} "
         "--src {input.src} --tgt {input.tgt} --spm-model {input.spm_model} --out-dir {output}"

@@ -20,4 +20,4 @@ rule bpe:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "bpe --config {SETTINGS:q} --threads {threads} --out-dir {params.out_dir} {input}"
+        "bpe " f"--config {SETTINGS} " "--threads {threads} --out-dir {params.out_dir} {input}"

@@ -18,4 +18,4 @@ rule download:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "download --config {SETTINGS:q} --out-dir {params.out_dir}"
+        "download " f"--config {SETTINGS} " "--out-dir {params.out_dir}"

@@ -19,6 +19,6 @@ rule decode:
         max_source_tokens=config["decode"]["max_source_tokens"],
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "decode --config {SETTINGS:q} --model {input.model} --spm-model {input.spm_model} "
+        "decode " f"--config {SETTINGS} " "--model {input.model} --spm-model {input.spm_model} "
         "--input {input.source} --output {output} --threads {threads} --workers {resources.workers} "
         "--max-source-tokens {resources.max_source_tokens}"

@@ -60,7 +60,7 @@ rule report:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "report --config {SETTINGS:q} --out-dir {params.out_dir} --base {params.base} "
+        "report " f"--config {SETTINGS} " "--out-dir {params.out_dir} --base {params.base} "
         "--runs {input.runs} --dev-scores {input.dev_scores} --test-scores {input.test_scores} "
         "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
         "--averages {input.averages} "

@@ -33,7 +33,7 @@ rule train:
         log_every=config["train"]["log_every"],
     shell:
         "exec aiayn --log {log} --attempt {resources.attempt} "
-        "train --config {SETTINGS:q} --preset {wildcards.model} --seed {wildcards.seed} "
+        "train " f"--config {SETTINGS} " "--preset {wildcards.model} --seed {wildcards.seed} "
         "--train-data {input.train} --dev-data {input.dev} --spm-model {input.spm_model} "
         "--run-dir {params.run_dir} --experiment {params.experiment} --tracking-uri {params.tracking_uri:q} "
         "--threads {threads} --log-every {resources.log_every}"
