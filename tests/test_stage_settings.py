@@ -249,7 +249,7 @@ def test_every_rule_hands_its_stage_the_resolved_config_and_no_section_as_json()
     from conftest import REPO
 
     common = (REPO / "workflow" / "rules" / "common.smk").read_text()
-    assert "read_config(merged=config" in common and "SETTINGS = write_resolved(" in common
+    assert "read_config(merged=config" in common and "write_resolved(config, f\"{RESULTS}/config\")" in common
     for rule in ("data", "bpe", "binarize", "train", "decode", "report"):
         text = (REPO / "workflow" / "rules" / f"{rule}.smk").read_text()
         assert "f\"--config {SETTINGS} \"" in text, rule  # formatted when parsed: a module's shell cannot see SETTINGS
