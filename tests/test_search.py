@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,10 @@ from aiayn.speed.decoder_cache import DecoderCache
 from aiayn.speed.incremental import InferenceModel
 from aiayn.speed.search_steps import FAST_STEPS, stable_slots, surviving_order, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+from decode_ct2 import RowCounting  # noqa: E402  the benchmark's counter of decoder steps and rows
 
 VOCAB = 24
 
@@ -75,19 +80,6 @@ def half_trained() -> InferenceModel:
 def with_weights(cls: type[InferenceModel], inference: InferenceModel) -> InferenceModel:
     """The same Transformer behind another inference class."""
     return cls(inference.model)
-
-
-class RowCounting(InferenceModel):
-    """Counts the decoder steps it runs and the rows (sentences x beams) they decode: the work a stopping
-    rule saves."""
-
-    steps = 0
-    rows = 0
-
-    def decode_step(self, tokens, position, cache):
-        self.steps += 1
-        self.rows += tokens.shape[0]
-        return super().decode_step(tokens, position, cache)
 
 
 class NoEosTransformer(InferenceModel):

@@ -261,9 +261,9 @@ class StepShape:
         ``aiayn.speed.shapes``), and then every micro-batch also to the step's most rows; by default each
         is padded to its longest sentence alone."""
         src_cut, tgt_cut = padded_lengths or (src_lengths, tgt_lengths)
-        rows_of = (lambda rows: max(len(part) for part in micro)) if padded_lengths else len
-        shapes = tuple((rows_of(rows), int(src_cut[rows].max()) + 1, int(tgt_cut[rows].max()) + 1)
-                       for rows in micro)
+        most = max(len(rows) for rows in micro)
+        shapes = tuple((most if padded_lengths else len(rows), int(src_cut[rows].max()) + 1,
+                        int(tgt_cut[rows].max()) + 1) for rows in micro)
         return cls(real_src=int(sum(int(src_lengths[rows].sum()) + len(rows) for rows in micro)),
                    real_tgt=int(sum(int(tgt_lengths[rows].sum()) + len(rows) for rows in micro)),
                    padded_src=sum(r * s for r, s, _ in shapes), padded_tgt=sum(r * t for r, _, t in shapes),
