@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,7 +250,7 @@ def test_every_rule_hands_its_stage_the_resolved_config_and_no_section_as_json()
     from conftest import REPO
 
     common = (REPO / "workflow" / "rules" / "common.smk").read_text()
-    assert "read_config(merged=config" in common and "write_resolved(config, f\"{RESULTS}/config\")" in common
+    assert "read_config(merged=config" in common and "write_resolved(config, f\"{RESULTS}/config/resolved.yaml\")" in common
     for rule in ("data", "bpe", "binarize", "train", "decode", "report"):
         text = (REPO / "workflow" / "rules" / f"{rule}.smk").read_text()
         assert "f\"--config {SETTINGS} \"" in text, rule  # formatted when parsed: a module's shell cannot see SETTINGS
@@ -262,9 +263,16 @@ def test_the_resolved_config_reads_back_as_the_config_it_was_written_from(tmp_pa
     from conftest import REPO
 
     config = read_config([REPO / "config" / "wmt14_en_de.yaml"])
-    path = write_resolved(config, tmp_path)
+    path = Path(write_resolved(config, tmp_path / "config" / "resolved.yaml"))
     assert read_config([path]) == config
-    assert write_resolved(config, tmp_path) == path  # the same config, the same file
+    written = path.stat().st_mtime_ns
+    os.utime(path, ns=(written - 10**9, written - 10**9))
+    write_resolved(config, path)  # the same config: the file is left as it was
+    assert path.stat().st_mtime_ns == written - 10**9
+    config["decode"]["beam_size"] += 1
+    write_resolved(config, path)
+    assert read_config([path])["decode"]["beam_size"] == config["decode"]["beam_size"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["resolved.yaml"]  # no scratch file left
 
 
 # --- options given beside the files go through the door: checked by the schema's rule for their key ---------

@@ -367,15 +367,14 @@ def read_config(files: Sequence[str | Path] | None = None, section: str | None =
     return config if section is None else config[section]
 
 
-def write_resolved(config: dict, folder: str | Path) -> str:
-    """A checked config written as YAML into ``folder``, named by its content (two runs of the same
-    config write the same file): what the Snakefile hands its jobs, which read it through ``read_config``."""
-    import hashlib
-
+def write_resolved(config: dict, path: str | Path) -> str:
+    """A checked config written as YAML to ``path`` (atomically, and only when its text changes, so its
+    timestamp moves only with a new config): what the Snakefile hands its jobs, which read it through
+    ``read_config``."""
     import yaml
 
     text = yaml.safe_dump(config, sort_keys=True, default_flow_style=False, width=10**6)
-    path = Path(folder) / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    path = Path(path)
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_name(f".{path.name}.{os.getpid()}")

@@ -61,15 +61,11 @@ SRC = config["data"]["src_lang"]
 TGT = config["data"]["tgt_lang"]
 PRESETS = resolve_presets(config)
 # The config as read, resolved, for the jobs: each reads its settings from it through the same door
-# (`--config {SETTINGS}`). Named by its content, so that a setting that changes no output (RUNTIME_ONLY)
-# changes neither a rule's code nor its params: its jobs rerun only for what their params hold.
-# Copied to one fixed path, which each rule's command names when the file is parsed (a module's shell cannot
-# see this workflow's names): the command's text stays the same whatever the config holds.
-SETTINGS = f"{RESULTS}/config/resolved.yaml"
-_resolved_text = Path(write_resolved(config, f"{RESULTS}/config")).read_text(encoding="utf-8")
-if not Path(SETTINGS).is_file() or Path(SETTINGS).read_text(encoding="utf-8") != _resolved_text:
-    Path(f"{SETTINGS}.{os.getpid()}").write_text(_resolved_text, encoding="utf-8")
-    os.replace(f"{SETTINGS}.{os.getpid()}", SETTINGS)
+# (`--config {SETTINGS}`). One fixed path, which each rule's command names when the file is parsed (a
+# module's shell cannot see this workflow's names): the commands' text stays the same whatever the config
+# holds, so a setting that changes no output (RUNTIME_ONLY) changes neither a rule's code nor its params,
+# and its jobs rerun only for what their params hold.
+SETTINGS = write_resolved(config, f"{RESULTS}/config/resolved.yaml")
 # The logs as they were before any job ran: what changed was written by this run's jobs.
 LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
 
