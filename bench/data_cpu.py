@@ -103,11 +103,13 @@ def run_stage(name: str, command: list[str], log: Path, env: dict | None = None)
         peak, peak_anonymous = 0, 0
         done = threading.Event()
 
-        def sample():
+        def sample():  # from the start, and often: a stage may last less than a second
             nonlocal peak, peak_anonymous
-            while not done.wait(0.2):
+            while True:
                 total, anonymous = tree_rss(process.pid)
                 peak, peak_anonymous = max(peak, total), max(peak_anonymous, anonymous)
+                if done.wait(0.05):
+                    return
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
