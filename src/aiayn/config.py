@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +23,7 @@ from aiayn.config_files import check_command_line_configfiles, check_config_file
 from aiayn.errors import UserError
 from aiayn.schema import SCHEMA_PATH, preset_default, section_defaults  # noqa: F401 (read here by the stages)
 from aiayn.schema import default as schema_default  # noqa: F401
+from aiayn.writing import write_text_atomic
 
 # Keys every resolved preset must have (after following `inherit`).
 PRESET_KEYS = (
@@ -376,10 +376,7 @@ def write_resolved(config: dict, path: str | Path) -> str:
     text = yaml.safe_dump(config, sort_keys=True, default_flow_style=False, width=10**6)
     path = Path(path)
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_name(f".{path.name}.{os.getpid()}")
-        scratch.write_text(text, encoding="utf-8")
-        os.replace(scratch, path)
+        write_text_atomic(path, text)
     return str(path)
 
 
