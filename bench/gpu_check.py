@@ -159,7 +159,8 @@ def ddp(args: argparse.Namespace) -> int:
     # the preset laid out for N processes: a step is split into a multiple of N micro-batches, the same
     # micro-batches whether 1 process accumulates them or N share them
     preset.update(steps=args.steps, checkpoint_steps=args.steps, keep_checkpoints=1, gpus=args.procs)
-    train = {**config["train"], "dev_every": 0, "log_every": args.steps, "device": args.device}
+    # the processes share the node's GPU(s) on purpose: this part checks DDP's arithmetic, not its speed
+    train = {**config["train"], "dev_every": 0, "log_every": args.steps, "device": args.device, "share_gpus": True}
     common = [sys.executable, "-m", "aiayn.train", "--preset-json", to_json(preset), "--train-json", to_json(train),
               "--seed", "1", "--train-data", str(results / "bin" / "train"),
               "--spm-model", str(results / "bpe" / "spm.model"), "--no-tracking", "--threads", str(args.threads)]

@@ -100,7 +100,8 @@ class Trainer:
         self.job = job
         self.clock = time.monotonic  # the run's clock (for max_minutes and its window); tests give a fake one
         self.dist = Distributed.from_environment()
-        self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank)
+        self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank,
+                                    job.train_section["share_gpus"])
         self.dist.init(self.device)
         self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed, self.device)
         self.world = self.dist.world_size
