@@ -6,7 +6,7 @@ random, so nothing here depends on a trained model; to make the work that of a r
 output has exactly as many tokens as its source (the model's EOS logit is pushed far down and the
 search forces EOS at max_len = source length, max_len_a 1, max_len_b 0).
 
-Source lengths: without the test set on the machine (a lent GPU has no internet), they are drawn
+Source lengths: without the test set on the machine (a GPU node may have no internet), they are drawn
 from a log-normal stand-in for news sentences in subword tokens (median --median-len, spread
 --sigma, cut to 3-150); --lengths FILE uses real ones instead, one integer a line (for example the
 token counts of newstest2014's English side under the run's SentencePiece model).

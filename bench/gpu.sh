@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU (one H200): the real pipeline and its speeds, in one run of at most
-# 8 minutes with the wheels' install, each part under its own time and printed as it goes (a part that
-# fails or runs out of its time does not stop the next).
-#   make gpu-wheels                   # here, once: .whl/ holds what the GPU image lacks (snakemake, MLflow, ...)
-#   bash bench/gpu.sh                 # there, with `.whl` and `.m30k` carried (README, "GPU check")
+# The check of one GPU node (README, "GPU check"): the real pipeline and its speeds, in one run of at most
+# 8 minutes, each part under its own time and printed as it goes (a part that fails or runs out of its time
+# does not stop the next).
+#   srun --gres=gpu:1 --cpus-per-task=16 --time=00:15:00 env PYTHON=.venv/bin/python MULTI30K=... bash bench/gpu.sh
+#   make gpu-wheels                   # on the login node, only where the GPU node's Python lacks the packages
 #   bash bench/gpu.sh --device cpu    # every part at toy sizes on a CPU: the smoke test (tests/test_gpu_check.py)
 # Parts, in the order they run, with their time on a GPU (sized from the 2026-12-04 run on an H200,
-# ../shared/gpu-runs/2026-12-04, BENCHMARKS.md "GPU"; its figure in brackets):
-#   0. ~25 s  the carried wheels' install and the import check [21 s]
+# BENCHMARKS.md "GPU"; its figure in brackets):
+#   0. ~25 s  the wheels' install (only where .whl is needed) and the import check [21 s]
 #   1.  12 s  the bf16 matmul ceiling [6 s]
 #   2. 135 s  the demo DAG at GPU size (config/gpu_check.yaml, 300 steps) through snakemake: training and
 #             decoding on the device in bf16, MLflow into sqlite, averaging, scoring, the report's tables
@@ -63,7 +63,7 @@ t() {  # the command, stopped when the current part's time is up
   timeout -k 10 $((left > 1 ? left : 1)) "$@"
 }
 
-# The image has torch but not the workflow's own packages: install the carried wheels, without network.
+# A Python with torch but not the workflow's own packages: install the wheels of `make gpu-wheels`, without network.
 if ! "$PYTHON" -c "import snakemake, mlflow, sacremoses" 2>/dev/null; then
   WHEELS=${WHEELS:-$REPO/.whl}
   ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "error: snakemake/MLflow missing and no wheels in $WHEELS (make gpu-wheels)"; exit 2; }
@@ -72,7 +72,7 @@ if ! "$PYTHON" -c "import snakemake, mlflow, sacremoses" 2>/dev/null; then
   export PYTHONPATH="$PYTHONPATH:$WORK/site"
   echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $WORK/site in $SECONDS s"
 fi
-# What parts 2, 3 and 6 import, with the image's own versions of what the carried wheels share with it.
+# What parts 2, 3 and 6 import, with the Python's own versions of what the wheels share with it.
 "$PYTHON" - <<'PY' || echo "error: the pipeline's packages do not import here (parts 2, 3 and 6 will fail)"
 import importlib.metadata as md
 import mlflow.store.tracking.sqlalchemy_store, sacremoses, snakemake  # noqa: F401
@@ -182,7 +182,7 @@ part 5 "beam-search decoding, newstest2014-shaped, beam 4" $T_DECODE t "$PYTHON"
 m30k() {
   local file
   for file in train.en train.de val.en val.de test_2016_flickr.en test_2016_flickr.de; do
-    [ -s "$MULTI30K/$file" ] || { echo "error: no $MULTI30K/$file: copy Multi30k's plain text to .m30k and carry it (README, \"GPU check\")"; return 2; }
+    [ -s "$MULTI30K/$file" ] || { echo "error: no $MULTI30K/$file: set MULTI30K to the folder of Multi30k's plain text (train, val and test_2016_flickr, .en and .de; README, \"GPU check\")"; return 2; }
   done
   ln -sfn "$(cd "$MULTI30K" && pwd)" "$M30K/data/multi30k"  # where config/multi30k.yaml reads it
   # a time budget for the training, so that the stages after it keep their time; its window checkpoints

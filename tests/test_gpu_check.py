@@ -1,5 +1,5 @@
-"""bench/gpu.sh, the prepared check for a lent GPU, run end to end at toy sizes on the CPU, so that the
-GPU's few minutes are never spent on a typo; and the wheel set that it installs there."""
+"""bench/gpu.sh, the check of a GPU node, run end to end at toy sizes on the CPU, so that a cluster's GPU
+time is never spent on a typo; and the wheel set that it installs where the node's Python lacks it."""
 
 from __future__ import annotations
 
@@ -134,3 +134,21 @@ def test_a_compile_is_skipped_or_stopped_when_its_time_is_short_and_the_table_sa
     rows = capsys.readouterr().out.splitlines()
     assert "| tiny | compiled (inductor) | | | skipped: 30 s left |" in rows[2]
     assert "| tiny | compiled (inductor) | | | not done after 1 s |" in rows[3]
+
+
+# What a GPU check's reader must never be asked to do: the check is a user's own command on their own node.
+NOT_A_USERS_PROCEDURE = ("device tool", "carry: [", "$OUT", "timeout_s", "give_back", "lent GPU", "lent H200",
+                         "device time")
+
+
+def test_the_projects_text_describes_the_gpu_check_as_a_command_on_the_users_own_node():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    texts = [name for name in tracked if name.endswith((".md", ".py", ".sh", ".yaml", ".smk", ".rst", ".toml"))
+             or name in ("Makefile", "Snakefile")]
+    found = [f"{name}: {phrase}" for name in texts if name != "tests/test_gpu_check.py"
+             for phrase in NOT_A_USERS_PROCEDURE if phrase in (REPO / name).read_text(errors="replace")]
+    assert found == []
+    readme = (REPO / "README.md").read_text()
+    check = readme[readme.index("## GPU check"):readme.index("\n## ", readme.index("## GPU check") + 5)]
+    assert "srun --gres=gpu:1" in check and "#SBATCH" in check and "bash bench/gpu.sh" in check
+    assert "torch.version.cuda, torch.cuda.is_available()" in check
