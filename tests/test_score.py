@@ -117,6 +117,28 @@ def test_compound_split_leaves_free_standing_dashes_alone():
     assert split_compounds("Er kam - spät - an") == "Er kam - spät - an"
 
 
+FRENCH_HYP = ["Il est peut-être venu vingt-deux fois, c'est-à-dire trop.", "Le porte-parole a-t-il parlé ?"]
+FRENCH_REF = ["Il est peut-être venu vingt-trois fois, c'est-à-dire trop.", "Le porte-parole a-t-il répondu ?"]
+
+
+def test_french_tokenized_bleu_has_no_compound_split_and_names_its_method():
+    tokenized = t2t_tokenize(FRENCH_HYP, "fr")
+    assert not any("##AT##" in line for line in tokenized)
+    assert "peut-être" in tokenized[0] and "porte-parole" in tokenized[1]
+    result = score(FRENCH_HYP, FRENCH_REF, "fr")
+    assert "no compound split" in result["bleu_tok_method"] and "-l fr" in result["bleu_tok_method"]
+
+
+def test_a_change_to_the_hyphen_split_moves_french_scores_not_at_all(monkeypatch):
+    import aiayn.score as scoring
+
+    before = score(FRENCH_HYP, FRENCH_REF, "fr")["bleu_tok"]
+    german_before = score(["Die US-Regierung kam."], ["Die US-Regierung ging."], "de")["bleu_tok"]
+    monkeypatch.setattr(scoring, "split_compounds", lambda line: line)  # no split at all
+    assert score(FRENCH_HYP, FRENCH_REF, "fr")["bleu_tok"] == before
+    assert score(["Die US-Regierung kam."], ["Die US-Regierung ging."], "de")["bleu_tok"] != german_before
+
+
 @pytest.mark.skipif(shutil.which("perl") is None, reason="perl is not installed")
 def test_compound_split_matches_the_perl_one_liner_of_get_ende_bleu():
     lines = ["a-b-c", "Baden-Württemberg-Ticket", "x\u00a0-y -z", "E-Mail-Adresse", "--", "1-2-3-4"]

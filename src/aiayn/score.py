@@ -13,6 +13,9 @@ Two BLEU numbers are reported side by side because they differ by up to a point 
   whitespace tokens, no smoothing). The Moses steps run through sacremoses and the BLEU
   through sacreBLEU with ``tokenize="none"`` and ``smooth_method="none"``, which is
   multi-bleu.perl's arithmetic. Hypotheses and references go through identical steps.
+  The compound split is an English-German convention (t2t's script is ``get_ende_bleu.sh``): other
+  target languages, French among them, get Moses-tokenised BLEU without it, as the EN-FR papers that
+  Table 2 quotes computed theirs; ``bleu_tok_method`` says which was used.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ BLEU_TOK_METHOD = (
     "s{{(\\S)-(\\S)}}{{$1 ##AT##-##AT## $2}}g; sacrebleu tokenize=none smooth=none, case-sensitive "
     "(= multi-bleu.perl; t2t get_ende_bleu.sh)"
 )
+BLEU_TOK_METHOD_PLAIN = (
+    "moses replace-unicode-punctuation + moses tokenizer -l {lang} (escaped), no compound split; "
+    "sacrebleu tokenize=none smooth=none, case-sensitive (= multi-bleu.perl on Moses tokens)"
+)
+# The target languages whose papers split hyphenated compounds before BLEU (t2t's get_ende_bleu.sh).
+SPLITS_COMPOUNDS = frozenset({"de"})
 
 # re.ASCII: the t2t script runs this substitution with `perl -ple` on raw UTF-8 bytes, where
 # \s is ASCII whitespace only and every non-ASCII byte counts as \S. A single left-to-right
@@ -53,18 +62,23 @@ def split_compounds(tokenized_line: str) -> str:
     return _COMPOUND_HYPHEN.sub(r"\1 ##AT##-##AT## \2", tokenized_line)
 
 
+def bleu_tok_method(lang: str) -> str:
+    """How ``bleu_tok`` is computed for target language ``lang``, in words."""
+    return (BLEU_TOK_METHOD if lang in SPLITS_COMPOUNDS else BLEU_TOK_METHOD_PLAIN).format(lang=lang)
+
+
 def t2t_tokenize(lines: Sequence[str], lang: str = "de") -> list[str]:
-    """Apply get_ende_bleu.sh's preprocessing to each line: unicode punctuation, Moses tokens, compounds."""
+    """Apply get_ende_bleu.sh's preprocessing to each line: unicode punctuation, Moses tokens, and for a
+    language in SPLITS_COMPOUNDS (German) the compound split."""
     from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
     # Only replace-unicode-punctuation.perl, not the full normalize-punctuation.perl:
     # the t2t script ran just that one.
     normalizer = MosesPunctNormalizer(lang)
     tokenizer = MosesTokenizer(lang)
-    return [
-        split_compounds(tokenizer.tokenize(normalizer.replace_unicode_punct(line), return_str=True, escape=True))
-        for line in lines
-    ]
+    split = split_compounds if lang in SPLITS_COMPOUNDS else str
+    return [split(tokenizer.tokenize(normalizer.replace_unicode_punct(line), return_str=True, escape=True))
+            for line in lines]
 
 
 def score(hypotheses: list[str], references: list[str], lang: str = "de") -> dict:
@@ -90,7 +104,7 @@ def score(hypotheses: list[str], references: list[str], lang: str = "de") -> dic
         "sacrebleu": sacre.score,
         "sacrebleu_signature": str(bleu.get_signature()),
         "bleu_tok": tok.score,
-        "bleu_tok_method": BLEU_TOK_METHOD.format(lang=lang),
+        "bleu_tok_method": bleu_tok_method(lang),
         "chrf": chrf_score.score,
         "chrf_signature": str(chrf.get_signature()),
         # hypothesis / reference length in sacreBLEU's tokens; under 1 is what the brevity penalty punishes
