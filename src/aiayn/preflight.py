@@ -16,6 +16,7 @@ import glob
 import os
 import shutil
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -83,14 +84,14 @@ def visible_gpus() -> list[dict]:
 
 
 def torch_versions() -> str:
-    """torch, the CUDA it was built for (none for a CPU build) and its NCCL, for the table."""
+    """torch's version, the CUDA it was built for (none for a CPU build) and its NCCL, for the table."""
     try:
         nccl = torch.cuda.nccl.version()
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     except Exception:  # a CPU build has no NCCL; a broken install raises its own types
         nccl = "none"
     cuda = torch.version.cuda or "none (a CPU build of torch)"
-    return f"torch {torch.__version__}, CUDA {cuda}, NCCL {nccl}"
+    return f"{torch.__version__}, CUDA {cuda}, NCCL {nccl}"
 
 
 def free_bytes(path: str | os.PathLike) -> int:
@@ -122,15 +123,26 @@ def truthy(name: str) -> bool:
 
 
 def hub_reachable(timeout: float = HUB_TIMEOUT_SECONDS) -> bool:
-    """Whether the hub's endpoint answers an HTTP HEAD within ``timeout`` (any answer: it is reachable)."""
+    """Whether the hub's endpoint answers an HTTP HEAD within ``timeout`` seconds (any answer but a proxy's
+    refusal). The request runs in a thread waited for that long: a socket's timeout does not bound the
+    name lookup, which can hang on a node without DNS."""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return True
-    except (OSError, ValueError):  # URLError, a timeout, a refused connection, a malformed endpoint
-        return False
-    return True
+    answers = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+        except urllib.error.HTTPError as error:
+            if error.code in (403, 407):  # a proxy's refusal, not the hub's answer
+                return
+        except (OSError, ValueError):  # no route, a timeout, a refused connection, a malformed endpoint
+            return
+        answers.append(True)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answers)
 
 
 def hub_cache_folder() -> Path:
@@ -180,8 +192,9 @@ def source_status(data: dict, downloaded: Path) -> tuple[str, str | None]:
     named = f"{hub['path']} ({hub['name']}, revision {hub['revision']})"
     cached = all(hub_cached_files(hub).values())
     in_cache = f"in the cache ({hub_cache_folder()})" if cached else "not in the cache"
-    if truthy("HF_HUB_OFFLINE") or truthy("HF_DATASETS_OFFLINE"):
-        reach = "offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set)"
+    offline = [name for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if truthy(name)]
+    if offline:
+        reach = f"offline by {offline[0]}={os.environ[offline[0]]}"
     else:
         reach = "reachable" if hub_reachable() else "not reachable"
     text = f"hub {named}: {reach}, {in_cache}"
@@ -262,7 +275,7 @@ def time_estimate(preset: dict, config: dict, params: int, gpu: dict | None,
             torch.cuda.empty_cache()
             return None, "no measurement", f"out of memory in a micro-batch of {config['train']['device_tokens']} tokens"
         hours = preset["steps"] * seconds / 3600
-        how = f"measured: {seconds * 1000:.1f} ms a step ({share:.0f} tokens a GPU, {precision})"
+        how = f"measured here: {seconds * 1000:.1f} ms a step of {share:.0f} tokens a GPU in {precision}"
     else:
         peak, measured = peak_flops(device), costs.measured_mfu(gpu["name"], precision, params)
         if peak is None or measured is None:
@@ -273,11 +286,16 @@ def time_estimate(preset: dict, config: dict, params: int, gpu: dict | None,
         how = f"MFU {mfu:.0%} ({source})"
         if share < costs.MEASURED_TOKENS_PER_GPU / 2:
             bound = ">= "  # smaller micro-batches use a GPU less well than the measured ones
-            how += f", measured at {costs.MEASURED_TOKENS_PER_GPU} tokens a GPU, this run has {share:.0f}"
+            how += (f" at {costs.MEASURED_TOKENS_PER_GPU} tokens a GPU; this run's {share:.0f} a GPU are slower "
+                    "(--measure)")
     budget = max_minutes(preset, config["train"])
     if budget is not None and hours > budget / 60:
         hours, bound, how = budget / 60, "", how + "; its time budget (max_minutes) ends it"
-    return hours, f"{bound}{hours:.1f} h", f"{how}, {devices(preset)} GPUs"
+    return hours, bound + duration(hours), f"{devices(preset)} GPUs, {how}"
+
+
+def duration(hours: float) -> str:
+    return f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.1f} h"
 
 
 def human(size: float) -> str:
@@ -302,10 +320,6 @@ def preflight(config: dict, presets: dict, results: Path, measure: bool = False)
         disk = costs.run_bytes(params, preset, data.decode) * len(seeds)
         runs_disk += disk
         hours, time_text, note = time_estimate(preset, config, params, gpu, measure)
-        if gpu is not None and preset["gpus"]:
-            sizes = planned_sizes(config, preset, torch.device("cuda", gpu["index"]))
-            note += (f"; micro-batch {sizes['device_tokens']} tokens, decode batch "
-                     f"{sizes['decode_tokens_per_batch']} tokens")
         runs = f" x {len(seeds)} seeds" if len(seeds) > 1 else ""
         rows.append(Row(name + runs, params, costs.checkpoint_bytes(params), costs.kept_checkpoints(preset), disk,
                         hours, time_text, note))
@@ -333,7 +347,7 @@ def preflight(config: dict, presets: dict, results: Path, measure: bool = False)
             problems.append(f"the workflow needs {human(to_write)} more on the file system of {where}, which has "
                             f"{human(free)} free; free space there, or train fewer presets or seeds at a time")
     rows.append(Row("total", disk=sum(need for _, need, _ in places), note="; ".join(notes)))
-    rows += gpu_rows(gpus, config)
+    rows += gpu_rows(gpus, config, presets)
     status, problem = source_status(config["data"], results / "data")
     rows.append(Row("data source", note=status))
     if problem:
@@ -341,13 +355,19 @@ def preflight(config: dict, presets: dict, results: Path, measure: bool = False)
     return rows, problems
 
 
-def gpu_rows(gpus: list[dict], config: dict) -> list[Row]:
-    """A row for each GPU torch sees here, then torch's versions."""
+def gpu_rows(gpus: list[dict], config: dict, presets: dict) -> list[Row]:
+    """A row for each GPU torch sees here, with the precision and sizes the presets will use on it; then
+    torch's versions."""
     rows = []
     for gpu in gpus:
-        precision = resolved_precision(config["train"]["precision"], torch.device("cuda", gpu["index"]))
-        rows.append(Row(f"GPU {gpu['index']}", note=f"{gpu['name']}, {gpu['memory'] / 2**30:.1f} GiB, compute "
-                                                    f"capability {gpu['capability']}, precision {precision}"))
+        device = torch.device("cuda", gpu["index"])
+        sizes = [planned_sizes(config, preset, device) for preset in presets.values()]
+        shown = {key: sorted({size[key] for size in sizes}) for key in ("device_tokens", "decode_tokens_per_batch")}
+        span = {key: "-".join(str(value) for value in values[:1] + values[1:][-1:]) for key, values in shown.items()}
+        rows.append(Row(f"GPU {gpu['index']}", note=(
+            f"{gpu['name']}, {gpu['memory'] / 2**30:.1f} GiB, compute capability {gpu['capability']}, precision "
+            f"{resolved_precision(config['train']['precision'], device)}, micro-batch {span['device_tokens']} "
+            f"tokens, decode batch {span['decode_tokens_per_batch']} tokens")))
     if not gpus:
         rows.append(Row("GPUs", note="none visible here (the jobs run where the cluster puts them: run `aiayn "
                                      "preflight` on a GPU node for its figures)"))
