@@ -174,6 +174,14 @@ def test_a_gpu_the_project_never_measured_has_no_estimate(tmp_path, cached_hub, 
     assert rows["base"].time == "no measurement" and "no peak FLOPs known for Tesla T4" in rows["base"].note
 
 
+def test_a_preset_that_trains_on_the_cpu_has_no_gpu_estimate(tmp_path, roomy_disk, monkeypatch):
+    fake_gpus(monkeypatch)
+    config = read_config([REPO / "config" / "config.yaml"])  # the demo: gpus 0
+    rows, _ = preflight.preflight(config, resolve_presets(config), tmp_path / "results")
+    assert {(row.time, row.note) for row in rows if row.item in config["models"]} == \
+        {("no measurement", "trains on the CPU (gpus: 0 or train.device: cpu)")}
+
+
 def test_a_measured_step_runs_the_trainers_step(monkeypatch):
     config = read_config(None, "train")
     config = {"train": {**config, "tokens_per_step": 120, "device_tokens": 60, "precision": "fp32"}}
@@ -201,6 +209,14 @@ def test_the_hub_probe_is_one_short_head_request(monkeypatch):
     monkeypatch.setattr(preflight.urllib.request, "urlopen", urlopen)
     assert preflight.hub_reachable() is False
     assert asked == [("HEAD", 3.0)]
+
+
+def test_downloaded_text_needs_no_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    data = read_config([PAPER])["data"]
+    for name in ("train.en", "train.de", "dev.en", "dev.de", "test.en", "test.de", "stats.json"):
+        (tmp_path / name).write_text("")
+    assert preflight.source_status(data, tmp_path) == (f"present: {tmp_path} (downloaded)", None)
 
 
 def test_an_unreachable_hub_is_not_refused_where_the_data_is_cached(tmp_path, cached_hub, monkeypatch):

@@ -163,12 +163,17 @@ def hub_cached_files(hub: dict) -> dict[str, list[str]]:
     return {split: glob.glob(str(folder / f"{name}-*"), recursive=True) for split, name in hub["splits"].items()}
 
 
+def is_downloaded(data: dict, downloaded: Path) -> bool:
+    """Whether the download stage has written its files into ``downloaded``: then no source is needed."""
+    languages = (data["src_lang"], data["tgt_lang"])
+    return (downloaded / DATA_STATS).is_file() and all(
+        (downloaded / text_name(split, lang)).is_file() for split in SPLITS for lang in languages)
+
+
 def source_status(data: dict, downloaded: Path) -> tuple[str, str | None]:
     """Whether the data can be had: (what the table says, a reason to refuse or None). Text the download
     stage has already written needs no source; the hub is probed only where it is not offline on purpose."""
-    languages = (data["src_lang"], data["tgt_lang"])
-    if all((downloaded / text_name(split, lang)).is_file() for split in SPLITS for lang in languages) \
-            and (downloaded / DATA_STATS).is_file():
+    if is_downloaded(data, downloaded):
         return f"present: {downloaded} (downloaded)", None
     if data["source"] == "demo":
         return "the demo's generated corpus (no source to reach)", None
@@ -201,8 +206,9 @@ def source_status(data: dict, downloaded: Path) -> tuple[str, str | None]:
     if reach == "reachable" or cached:
         return text, None
     return text, (f"the hub dataset {named} cannot be downloaded here ({reach}) and is not in the cache "
-                  f"{hub_cache_folder()}, so the download would fail; run it where the hub can be reached, or download the dataset's parquet "
-                  "files on such a machine and set data.source: local (config/README.md, data sources)")
+                  f"{hub_cache_folder()}, so the download would fail; run it where the hub can be reached, or "
+                  "download the dataset's parquet files on such a machine and set data.source: local "
+                  "(config/README.md, data sources)")
 
 
 def measure_step_seconds(preset: dict, config: dict, device: torch.device, vocab_size: int) -> float:
@@ -261,6 +267,8 @@ def max_minutes(preset: dict, train: dict) -> float | None:
 def time_estimate(preset: dict, config: dict, params: int, gpu: dict | None,
                   measure: bool) -> tuple[float | None, str, str]:
     """A run's wall-clock hours on ``gpu`` (GPU 0 here), as shown, and how they were reached."""
+    if not preset["gpus"] or config["train"]["device"] == "cpu":
+        return None, "no measurement", "trains on the CPU (gpus: 0 or train.device: cpu)"
     if gpu is None:
         return None, "no measurement", "no GPU visible here"
     device = torch.device("cuda", gpu["index"])
@@ -273,7 +281,8 @@ def time_estimate(preset: dict, config: dict, params: int, gpu: dict | None,
             seconds = measure_step_seconds(preset, config, device, config["bpe"]["vocab_size"])
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            return None, "no measurement", f"out of memory in a micro-batch of {config['train']['device_tokens']} tokens"
+            tokens = config["train"]["device_tokens"]
+            return None, "no measurement", f"out of memory in a micro-batch of {tokens} tokens"
         hours = preset["steps"] * seconds / 3600
         how = f"measured here: {seconds * 1000:.1f} ms a step of {share:.0f} tokens a GPU in {precision}"
     else:
@@ -311,6 +320,7 @@ def preflight(config: dict, presets: dict, results: Path, measure: bool = False)
     """The table's rows for a checked config and its resolved presets by name (``resolve_presets``), and the
     reasons to refuse (none: the workflow may start)."""
     vocab_size, seeds = config["bpe"]["vocab_size"], config["seeds"]
+    downloaded = results / "data"  # the download stage's folder (common.smk's data_text)
     gpus = visible_gpus()
     gpu = gpus[0] if gpus else None
     rows, problems, runs_disk = [], [], 0
@@ -329,7 +339,7 @@ def preflight(config: dict, presets: dict, results: Path, measure: bool = False)
     rows.append(Row("data: binarized", disk=data.binarized, note="train, dev and test as token ids"))
     # (folder, disk planned there, disk already written there), checked by the file system each is on
     places = [(results, runs_disk + data.text + data.bpe + data.binarized, present_bytes(results))]
-    if data.hub_cache is not None:
+    if data.hub_cache is not None and not is_downloaded(config["data"], downloaded):
         cached = hub_cached_files(config["data"]["hub"])
         have = sum(os.path.getsize(path) for files in cached.values() for path in files)
         rows.append(Row("data: hub cache", disk=data.hub_cache, note=f"{hub_cache_folder()}"))
@@ -348,7 +358,7 @@ def preflight(config: dict, presets: dict, results: Path, measure: bool = False)
                             f"{human(free)} free; free space there, or train fewer presets or seeds at a time")
     rows.append(Row("total", disk=sum(need for _, need, _ in places), note="; ".join(notes)))
     rows += gpu_rows(gpus, config, presets)
-    status, problem = source_status(config["data"], results / "data")
+    status, problem = source_status(config["data"], downloaded)
     rows.append(Row("data source", note=status))
     if problem:
         problems.append(problem)
