@@ -54,17 +54,17 @@ class HubDataset:
 WMT14_DE_EN = HubDataset({"train": 4_508_785, "validation": 3000, "test": 3003}, 818_467_512, 1_359_920_533)
 HUB_DATASETS = {
     ("wmt/wmt14", "de-en"): WMT14_DE_EN,
-    # the card's pairs; its bytes estimated at de-en's bytes a pair
+    # its pairs as the hub lists them (config/wmt14_en_fr.yaml: about 40.8M); its bytes at de-en's bytes a pair
     ("wmt/wmt14", "fr-en"): WMT14_DE_EN.scaled({"train": 40_836_715, "validation": 3000, "test": 3003}),
 }
 TEXT_BYTES_PER_PAIR = WMT14_DE_EN.text_bytes / sum(WMT14_DE_EN.pairs.values())
 TEXT_BYTES_PER_PARQUET_BYTE = WMT14_DE_EN.text_bytes / WMT14_DE_EN.parquet_bytes
-# The demo's corpus, by the demo DAG's row of BENCHMARKS.md: 5.1 MB of text for its 32,000 pairs.
+# The demo's text a pair: its corpus's size in BENCHMARKS.md's row of the demo DAG, over its 32,000 pairs.
 DEMO_TEXT_BYTES_PER_PAIR = 5.1e6 / 32_000
 
-# Model FLOPs utilisation measured by the project, by GPU kind and precision: BENCHMARKS.md, section "GPU
-# (`bench/gpu.sh`)", the 2026-12-04 row (NVIDIA H200, bf16, warm eager steps of 25000 target tokens on one
-# GPU): base about 14%, big about 27%. Each entry: the preset measured and its utilisation.
+# Model FLOPs utilisation measured by the project, by GPU kind and precision, from BENCHMARKS.md's section
+# "GPU (`bench/gpu.sh`)" (its first row: warm eager steps of base and big, one GPU taking a whole step of
+# 25000 target tokens). Each entry: the preset measured and its utilisation.
 MEASURED_MFU = {("H200", "bf16"): {"base": 0.14, "big": 0.27}}
 MEASURED_TOKENS_PER_GPU = 25000  # the micro-batch those steps ran: one GPU took the whole step
 
