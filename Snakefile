@@ -39,6 +39,11 @@ rule all:
     default_target: True
 
 
+# A workflow whose presets ask for GPUs: its disk, time and traps, before any job is queued.
+onstart:
+    preflight()
+
+
 # The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end.
 onsuccess:
     show_job_messages(failed=False)

@@ -208,6 +208,7 @@ LEAST = {
     "bpe": ["--out-dir", "{tmp}/out", "{tmp}/train.en"],
     "binarize": ["--split", "dev", "--src", "s", "--tgt", "t", "--spm-model", "m", "--out-dir", "{tmp}/out"],
     "params": [],
+    "preflight": ["--results", "{tmp}/results"],
     "train": ["--preset", "demo_base", "--train-data", "t", "--spm-model", "m", "--run-dir", "{tmp}/run"],
     "average": ["--checkpoint-dir", "{tmp}/c", "--output", "{tmp}/m.pt"],
     "decode": ["--model", "m", "--spm-model", "s", "--input", "{tmp}/i", "--output", "{tmp}/o"],

@@ -13,6 +13,7 @@ COMMANDS = {
     "bpe": ("aiayn.bpe", "learn the shared SentencePiece BPE vocabulary"),
     "binarize": ("aiayn.binarize", "encode text into token-id arrays"),
     "params": ("aiayn.params", "parameter count of every preset beside the paper's"),
+    "preflight": ("aiayn.preflight", "a workflow's disk, time and traps before any job runs"),
     "train": ("aiayn.train.launch", "train one model preset"),
     "average": ("aiayn.average", "average the last K checkpoints"),
     "decode": ("aiayn.decode", "beam-search a binarized or text split"),

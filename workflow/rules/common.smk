@@ -1,5 +1,6 @@
 # Helpers, paths and target lists shared by the rules (no rules here).
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -153,6 +154,18 @@ def show_job_messages(failed):
     """At the end of a run, every error and warning paragraph of the logs this run's jobs wrote, once
     each: a SLURM job's output never reaches this terminal, and a local job's is in its log."""
     print_job_messages(f"{RESULTS}/logs", LOGS_AT_START, failed)
+
+
+def preflight():
+    """`aiayn preflight` (the disk, time and traps of the workflow) before the first job of one whose presets ask
+    for GPUs, run by the Snakefile's onstart: in the process that plans the jobs, neither in a dry run (-n) nor
+    in a job, nor when nothing is to be done. Its refusal stops the workflow with its status, before any job."""
+    if not any(preset["gpus"] for preset in PRESETS.values()):
+        return
+    command = [sys.executable, "-m", "aiayn.cli", "preflight", "--config", SETTINGS, "--results", RESULTS]
+    status = subprocess.run(command).returncode
+    if status:
+        sys.exit(status)
 
 
 def show_report_folder():
