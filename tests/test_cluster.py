@@ -401,7 +401,7 @@ def test_download_runs_where_snakemake_runs_under_the_slurm_profile(tmp_path):
 def readme_sbatch_rows() -> dict[str, str]:
     """README, "Running on a cluster": the table of what each job after training asks sbatch for."""
     section = (REPO / "README.md").read_text().split("## Running on a cluster", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (\w+), (\w+) \| `(sbatch [^`]*)` \|", section, re.M)
+    rows = re.findall(r"^ *\| (\w+), (\w+) \| `(sbatch [^`]*)` \|", section, re.M)
     return {f"{rule} {model}": call for rule, model, call in rows}
 
 
