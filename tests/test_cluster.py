@@ -285,30 +285,49 @@ def test_a_preset_of_two_nodes_is_one_slurm_job_with_a_torchrun_agent_on_each_no
     assert (summary["world_size"], summary["step"]) == (2, 20)
 
 
-def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
-    """`snakemake -n` with the SLURM profile: the plugin prints no sbatch line in a dry run
-    (Snakemake swaps in its dry-run executor), so the resources each job shows are what it asks."""
-    workdir = copy_workflow(tmp_path)
-    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm",
-                                              "--configfile", "config/wmt14_en_de.yaml"),
+def dry_run_jobs(workdir: Path, *configfiles: str) -> dict[tuple[str, str], dict[str, str]]:
+    """`snakemake -n` with the SLURM profile: (rule, wildcards) -> the resources each job shows, and its threads.
+    The plugin prints no sbatch line in a dry run (Snakemake swaps in its dry-run executor), so these are
+    what each job asks."""
+    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm", "--configfile", *configfiles),
                             cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    jobs = {}  # (rule, wildcards) -> the resources the job shows
+    jobs = {}
     for block in re.split(r"\n(?=rule \w+:)", result.stdout + result.stderr):
         rule = re.match(r"rule (\w+):", block)
         wildcards = re.search(r"wildcards: (.*)", block)
+        threads = re.search(r"threads: (\d+)", block)
         resources = re.search(r"resources: (.*)", block)
         if rule and resources:
             jobs[rule.group(1), wildcards.group(1) if wildcards else ""] = dict(
-                item.split("=", 1) for item in resources.group(1).split(", ") if "=" in item)
+                (item.split("=", 1) for item in resources.group(1).split(", ") if "=" in item),
+                threads=threads.group(1) if threads else "1")
+    return jobs
+
+
+def test_a_dry_run_of_the_paper_shows_each_jobs_cluster_request(tmp_path):
+    jobs = dry_run_jobs(copy_workflow(tmp_path), "config/wmt14_en_de.yaml")
     base, big = jobs["train", "model=base, seed=1"], jobs["train", "model=big, seed=1"]
     assert (base["gpu"], base["cpus_per_gpu"], base["runtime"], base["mem_mb"]) == ("8", "8", "1440", "64000")
     assert (big["gpu"], big["runtime"]) == ("8", "5760")
     assert sum(rule == "train" for rule, _ in jobs) == 20
-    assert all(fields["gpu"] == "1" for (rule, _), fields in jobs.items() if rule == "decode")
-    light = [fields for (rule, _), fields in jobs.items() if rule not in ("train", "decode", "all")]
-    assert len(light) == 1 + 1 + 2 + 20 + 40 + 1  # download, bpe, binarize, average, score, report
+    # every paper preset trains on GPUs, so its average (the dev evaluation) and decode jobs get one each
+    assert all(fields["gpu"] == "1" for (rule, _), fields in jobs.items() if rule in ("average", "decode"))
+    assert sum(rule == "average" for rule, _ in jobs) == 20
+    light = [fields for (rule, _), fields in jobs.items() if rule not in ("train", "average", "decode", "all")]
+    assert len(light) == 1 + 1 + 2 + 40 + 1  # download, bpe, binarize, score, report
     assert all("gpu" not in fields and fields["nodes"] == "1" for fields in light)
+
+
+def test_the_demo_asks_for_no_gpu_and_small_jobs(tmp_path):
+    """The demo's presets train on the CPU (gpus: 0): its average and decode jobs ask for cores, not a GPU,
+    and average asks for little (its checkpoints are megabytes)."""
+    jobs = dry_run_jobs(copy_workflow(tmp_path), "config/config.yaml")
+    evaluation = {key: fields for key, fields in jobs.items() if key[0] in ("average", "decode")}
+    assert len(evaluation) == 4 + 8
+    assert all(fields["gpu"] == "0" for fields in evaluation.values())
+    average = jobs["average", "model=demo_base, seed=1"]
+    assert (average["threads"], average["mem_mb"], average["runtime"]) == ("1", "5000", "20")
 
 
 class JobResources(dict):
@@ -317,48 +336,87 @@ class JobResources(dict):
     __getattr__ = dict.__getitem__
 
 
-def test_a_dry_run_shows_the_sbatch_call_of_a_preset_of_two_nodes_without_a_cluster(tmp_path):
-    """The resources a dry run of base on 2 nodes shows, rendered by the plugin's own code into the sbatch
-    call it would make (where test_the_paper_training_job_asks_sbatch_for_the_presets_gpus has no SLURM)."""
+def sbatch_call(rule: str, shown: dict[str, str]) -> str:
+    """The sbatch call snakemake-executor-plugin-slurm makes for a job that a dry run showed, rendered by the
+    plugin's own code (the partition and account, which the profile leaves to the site, left empty)."""
     from snakemake_executor_plugin_slurm.submit_string import get_submit_command
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-    workdir = copy_workflow(tmp_path)
-    (workdir / "two_nodes.yaml").write_text("models: [base_2x8]\npresets: {base_2x8: {inherit: base, nodes: 2}}\n")
-    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm", "--configfile",
-                                              "config/wmt14_en_de.yaml", "two_nodes.yaml"),
-                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    block = re.search(r"rule train:.*?resources: (.*?)\n", result.stdout + result.stderr, re.S).group(1)
-    shown = dict(item.split("=", 1) for item in block.split(", ") if "=" in item)
     resources = JobResources({key: int(value) if value.isdigit() else value for key, value in shown.items()
                               if "TBD" not in value and key in ("runtime", "mem_mb", "nodes", "tasks", "mpi", "gres",
-                                                                "tasks_per_gpu", "cpus_per_task", "gpu")})
-    assert resources["mpi"] == "srun"  # the job step runs the command itself (its srun reaches both nodes)
-    job = types.SimpleNamespace(resources=resources, threads=2)
-    call = get_submit_command(job, {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_train",
+                                                                "tasks_per_gpu", "cpus_per_task", "cpus_per_gpu",
+                                                                "gpu")})
+    job = types.SimpleNamespace(resources=resources, threads=int(shown["threads"]))
+    return get_submit_command(job, {"run_uuid": "u", "slurm_logfile": "log", "comment_str": f"rule_{rule}",
                                     "account": "", "partition": "", "workdir": "."}) + set_gres_string(job)
+
+
+def test_a_dry_run_shows_the_sbatch_call_of_a_preset_of_two_nodes_without_a_cluster(tmp_path):
+    """The resources a dry run of base on 2 nodes shows, rendered by the plugin's own code into the sbatch
+    call it would make (where test_the_paper_training_job_asks_sbatch_for_the_presets_gpus has no SLURM)."""
+    workdir = copy_workflow(tmp_path)
+    (workdir / "two_nodes.yaml").write_text("models: [base_2x8]\npresets: {base_2x8: {inherit: base, nodes: 2}}\n")
+    shown = dry_run_jobs(workdir, "config/wmt14_en_de.yaml", "two_nodes.yaml")["train", "model=base_2x8, seed=1"]
+    assert shown["mpi"] == "srun"  # the job step runs the command itself (its srun reaches both nodes)
+    call = sbatch_call("train", shown)
     for option in SBATCH_OF["base_2x8"][:-1]:  # all but the partition, which the profile leaves to the site
         assert f" {option} " in f" {call} ", (option, call)
     assert not any(option in call for option in ("--gpus=", "--cpus-per-gpu", "--ntasks-per-gpu")), call
 
 
 def test_a_user_error_in_a_slurm_job_is_shown_once_and_not_retried(cluster, tmp_path):
-    """A download job that refuses its input, through sbatch: its message reaches the login node's
-    terminal (a SLURM job's own output never does), and the retry (one here, to be quick) ends at once."""
+    """A BPE job that refuses its settings, through sbatch: its message reaches the login node's terminal
+    (a SLURM job's own output never does), and the retry (one here, to be quick) ends at once. (Download,
+    before it, runs where Snakemake runs.)"""
     workdir = copy_workflow(tmp_path)
     profile = cluster_profile(workdir, cluster)
-    local = write_text_corpus(workdir / "raw", (("train", 50), ("dev", 5), ("test", 5)))
-    (workdir / "raw" / "texts").mkdir()
-    local["train"]["src"] = str(workdir / "raw" / "texts")
-    (workdir / "broken.yaml").write_text(json.dumps({"data": {"source": "local", "local": local}}))
+    (workdir / "broken.yaml").write_text(json.dumps({"bpe": {"vocab_size": 100000}}))
     result = subprocess.run(snakemake_command("--profile", str(profile),
                                               "--configfile", "config/config.yaml", "override.yaml", "broken.yaml",
                                               "--retries", "1"),
                             cwd=workdir, env=environment(), capture_output=True, text=True, timeout=600)
     terminal = result.stdout + result.stderr
     assert result.returncode != 0
-    assert len([name for _, name in submitted(terminal) if name == "download"]) == 2, terminal[-4000:]
-    assert terminal.count(f"error: data.local.train.src: {workdir}/raw/texts is a directory") == 1, terminal[-4000:]
-    log = (workdir / "results/demo/logs/download.log").read_text()
+    assert [name for _, name in submitted(terminal)] == ["bpe", "bpe"], terminal[-4000:]
+    assert terminal.count("error: bpe.vocab_size = 100000 is more than the training data") == 1, terminal[-4000:]
+    log = (workdir / "results/demo/logs/bpe.log").read_text()
     assert log.count("error: ") == 1 and "attempt 2 of this command not run: attempt 1 ended with a user error" in log
+
+
+def test_download_runs_where_snakemake_runs_under_the_slurm_profile(tmp_path):
+    """The one job that reaches the internet is a local rule: under the SLURM profile it runs in Snakemake's
+    own process (the login node), never through sbatch, where compute nodes may have no internet. No SLURM
+    is needed to see it: a job sent to sbatch here would fail."""
+    workdir = copy_workflow(tmp_path)
+    result = subprocess.run(snakemake_command("--profile", "workflow/profiles/slurm", "--configfile", "config/config.yaml",
+                                              "override.yaml", "--slurm-init-seconds-before-status-checks", "1",
+                                              "--", "results/demo/data/stats.json"),
+                            cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "localrule download:" in output and not submitted(output), output[-4000:]
+    assert json.loads((workdir / "results/demo/data/stats.json").read_text())["splits"]["dev"]["pairs_written"] == 40
+
+
+def readme_sbatch_rows() -> dict[str, str]:
+    """README, "Running on a cluster": the table of what each job after training asks sbatch for."""
+    section = (REPO / "README.md").read_text().split("## Running on a cluster", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^ *\| (\w+), (\w+) \| `(sbatch [^`]*)` \|", section, re.M)
+    return {f"{rule} {model}": call for rule, model, call in rows}
+
+
+def test_big_and_base_evaluation_jobs_ask_sbatch_for_what_the_readme_states(tmp_path):
+    """The average, decode and score jobs of base and big, from a dry run of the paper's config rendered by
+    the plugin's own code into their sbatch calls: every option the README's table states is there, and
+    score asks for no GPU."""
+    stated = readme_sbatch_rows()
+    assert set(stated) == {f"{rule} {model}" for rule in ("average", "decode", "score") for model in ("base", "big")}
+    jobs = dry_run_jobs(copy_workflow(tmp_path), "config/wmt14_en_de.yaml")
+    for name, options in stated.items():
+        rule, model = name.split()
+        wildcards = f"model={model}, seed=1" + ("" if rule == "average" else ", split=test")
+        call = sbatch_call(rule, jobs[rule, wildcards])
+        for option in re.findall(r"-\S+(?: (?!-)\S+)?", options.removeprefix("sbatch ")):
+            assert f" {option} " in f" {call} ", (name, option, call)
+        assert ("--gpus=" in call) == (rule != "score"), (name, call)
+

@@ -208,6 +208,30 @@ def test_a_hub_dataset_that_is_not_parquet_goes_through_load_dataset(tmp_path, m
     assert list((tmp_path / "cache").rglob("*.arrow"))  # JSON lines are converted by datasets, as before
 
 
+def test_the_pinned_hub_revision_is_what_datasets_is_asked_for(tmp_path, monkeypatch):
+    """data.hub.revision, a commit for a frozen reproduction, reaches datasets: the builder that resolves a
+    parquet dataset's files, and load_dataset for any other format. (The calls are recorded and passed on;
+    a local folder, as here, has no revisions, so datasets reads it as it is.)"""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    asked = []
+    for name in ("load_dataset_builder", "load_dataset"):
+        def recorded(*args, _call=getattr(datasets, name), _name=name, **kwargs):
+            asked.append((_name, kwargs.get("revision")))
+            return _call(*args, **kwargs)
+        monkeypatch.setattr(datasets, name, recorded)
+    commit = "4f7a2b9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a"
+    for fmt in ("parquet", "jsonl"):
+        _write_hub_repo(tmp_path / fmt / "wmt14", make_pairs(10, seed=7), fmt=fmt)
+        hub = {"path": str(tmp_path / fmt / "wmt14"), "name": "de-en", "revision": commit,
+               "splits": {"train": "train", "dev": "validation", "test": "test"}}
+        summary = download(data_section(source="hub", hub=hub), tmp_path / fmt / "out")
+        assert f"revision {commit}" in summary["splits"]["test"]["origin"][0]
+    assert {name for name, _ in asked} == {"load_dataset_builder", "load_dataset"}
+    assert {revision for _, revision in asked} == {commit}
+
+
 def test_parquet_rows_without_a_language_are_counted_over_the_split(tmp_path, monkeypatch):
     import aiayn.data as data
 

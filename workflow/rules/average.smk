@@ -12,11 +12,15 @@ rule average:
         dev_tokens=config["train"]["device_tokens"],
         choose=config["average"]["choose"],  # model.pt: the average, or the last checkpoint where it is worse on dev
         tracking_uri=config["tracking_uri"],
+    # Sized by the model (average_request in common.smk): a GPU for the dev evaluation where the preset
+    # trained on GPUs; memory and minutes from its parameters and the checkpoints read.
+    threads: request_resource(average_request, "threads")
     log:
         log_file("average", *RUN_LOG),
     resources:
-        mem_mb=16000,
-        runtime=30,
+        gpu=request_resource(average_request, "gpu"),
+        mem_mb=request_resource(average_request, "mem_mb"),
+        runtime=request_resource(average_request, "runtime"),
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "

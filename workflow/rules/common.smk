@@ -7,10 +7,12 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from aiayn import layout
-from aiayn.config import (ConfigOverrides, check_config_files, read_config, resolve_presets, schema_default, to_json,
-                          write_resolved)
+from aiayn.config import (ConfigOverrides, check_config_files, model_fields, read_config, resolve_presets,
+                          schema_default, to_json, write_resolved)
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
+from aiayn.model import ModelConfig
+from aiayn.params import count_parameters
 from aiayn.train.rendezvous import nodes_of
 
 
@@ -197,6 +199,58 @@ def cluster_request(wildcards):
 def cluster_resource(name):
     """One resource of cluster_request, for a rule's `resources:`."""
     return lambda wildcards: cluster_request(wildcards).get(name)
+
+
+# What the jobs after training ask the cluster for, from the run's model: its parameters (as `aiayn params`
+# counts them) and, for average, the checkpoints it reads. docs/cluster.md ("Jobs sized by the model") gives
+# where each figure comes from and the measurement of big's average job. Each estimate of minutes is doubled
+# and rounded up, so that a slow file system or a busy node does not meet the time limit.
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # a training checkpoint: fp32 weights and Adam's two moments
+AVERAGE_SECONDS_PER_GB = 20          # a checkpoint read from a slow shared file system, loaded and summed
+AVERAGE_BYTES_PER_PARAMETER = 32     # average's peak host memory: the float64 sum, one checkpoint, two models
+HOST_MB = 4000                       # a job's Python, torch and CUDA libraries
+EVAL_SENTENCES = 3003                # newstest2014, the largest split the paper's configs evaluate
+CPU_FLOPS_PER_CORE = 1e10            # a forward pass on one core, well below a core's matmul peak
+CPU_DECODE_SECONDS = 0.0067          # one WMT sentence, beam 4, on decode's 2 cores, per million parameters
+
+
+def model_parameters(wildcards):
+    """The parameters of a run's model, counted from its preset as `aiayn params` counts them."""
+    model = {"vocab_size": config["bpe"]["vocab_size"], **model_fields(preset(wildcards))}
+    return count_parameters(ModelConfig.from_dict(model))
+
+
+def _rounded_up(value, step):
+    return int(-(-value // step) * step)
+
+
+def average_request(wildcards):
+    """An average job: one GPU for its dev evaluation where the preset trained on GPUs (`gpus` >= 1; a
+    minute or less there) and 4 cores to read and sum the checkpoints; else a core for every 25M parameters
+    (up to 8), for two forward passes of up to EVAL_SENTENCES pairs of about 60 tokens (2 FLOPs a parameter
+    a token). Minutes for its start, for its `average_last` checkpoints and for that evaluation."""
+    parameters, on_gpu = model_parameters(wildcards), preset(wildcards)["gpus"] >= 1
+    threads = 4 if on_gpu else min(8, 1 + parameters // 25_000_000)
+    read_gb = preset(wildcards)["average_last"] * CHECKPOINT_BYTES_PER_PARAMETER * parameters / 1e9
+    dev_minutes = 5 if on_gpu else 2 * EVAL_SENTENCES * 60 * 2 * parameters / (CPU_FLOPS_PER_CORE * threads) / 60
+    minutes = 5 + read_gb * AVERAGE_SECONDS_PER_GB / 60 + dev_minutes
+    return {"gpu": int(on_gpu), "threads": threads, "runtime": _rounded_up(2 * minutes, 10),
+            "mem_mb": _rounded_up(HOST_MB + AVERAGE_BYTES_PER_PARAMETER * parameters / 1e6, 1000)}
+
+
+def decode_request(wildcards):
+    """A decode job: one GPU where the preset trained on GPUs, on which newstest2014 takes minutes for every
+    paper preset; on the CPU, CPU_DECODE_SECONDS a sentence per million parameters. Its host memory holds the
+    model twice (file and network, 8 bytes a parameter): 16 GB does for any model under 1.5 billion."""
+    parameters, on_gpu = model_parameters(wildcards), preset(wildcards)["gpus"] >= 1
+    minutes = 30 if on_gpu else EVAL_SENTENCES * CPU_DECODE_SECONDS * parameters / 1e6 / 60
+    return {"gpu": int(on_gpu), "runtime": max(60, _rounded_up(2 * minutes, 10)),
+            "mem_mb": max(16000, _rounded_up(HOST_MB + 8 * parameters / 1e6, 1000))}
+
+
+def request_resource(request, name):
+    """One value of average_request or decode_request, for a rule's `threads:` or `resources:`."""
+    return lambda wildcards: request(wildcards)[name]
 
 
 def runs():

@@ -7,6 +7,9 @@ rule download:
     params:
         data=to_json(config["data"]),  # what reruns the stage when its settings change
         out_dir=lambda w, output: Path(output.stats).parent,
+    # The one job that reaches the internet (the hub): it runs where Snakemake runs, which under the slurm
+    # profile is the login node, since compute nodes often have no internet.
+    localrule: True
     log:
         log_file("download"),
     resources:

@@ -10,10 +10,11 @@ rule decode:
     threads: 2
     log:
         log_file("decode", *RUN_LOG, "{split}"),
+    # Sized by the model (decode_request in common.smk): one GPU where the preset trained on GPUs.
     resources:
-        gpu=lambda w: min(1, preset(w)["gpus"]),
-        mem_mb=16000,
-        runtime=60,
+        gpu=request_resource(decode_request, "gpu"),
+        mem_mb=request_resource(decode_request, "mem_mb"),
+        runtime=request_resource(decode_request, "runtime"),
         attempt=attempt_number,
         workers=config["decode"]["workers"],
         max_source_tokens=config["decode"]["max_source_tokens"],
