@@ -7,12 +7,11 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from aiayn import layout
-from aiayn.config import (ConfigOverrides, check_config_files, model_fields, read_config, resolve_presets,
+from aiayn.config import (ConfigOverrides, check_config_files, read_config, resolve_presets,
                           schema_default, to_json, write_resolved)
 from aiayn.errors import UserError
 from aiayn.joblog import print_job_messages, snapshot_logs
-from aiayn.model import ModelConfig
-from aiayn.params import count_parameters
+from aiayn.costs import CHECKPOINT_BYTES_PER_PARAMETER, parameters
 from aiayn.train.rendezvous import nodes_of
 
 
@@ -205,7 +204,6 @@ def cluster_resource(name):
 # counts them) and, for average, the checkpoints it reads. docs/cluster.md ("Jobs sized by the model") gives
 # where each figure comes from and the measurement of big's average job. Each estimate of minutes is doubled
 # and rounded up, so that a slow file system or a busy node does not meet the time limit.
-CHECKPOINT_BYTES_PER_PARAMETER = 12  # a training checkpoint: fp32 weights and Adam's two moments
 AVERAGE_SECONDS_PER_GB = 20          # a checkpoint read from a slow shared file system, loaded and summed
 AVERAGE_BYTES_PER_PARAMETER = 32     # average's peak host memory: the float64 sum, one checkpoint, two models
 HOST_MB = 4000                       # a job's Python, torch and CUDA libraries
@@ -216,8 +214,7 @@ CPU_DECODE_SECONDS = 0.0067          # one WMT sentence, beam 4, on decode's 2 c
 
 def model_parameters(wildcards):
     """The parameters of a run's model, counted from its preset as `aiayn params` counts them."""
-    model = {"vocab_size": config["bpe"]["vocab_size"], **model_fields(preset(wildcards))}
-    return count_parameters(ModelConfig.from_dict(model))
+    return parameters(preset(wildcards), config["bpe"]["vocab_size"])
 
 
 def _rounded_up(value, step):
