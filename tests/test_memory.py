@@ -4,6 +4,7 @@ double raises torch.OutOfMemoryError) done again in smaller parts, to the same r
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -294,3 +295,30 @@ def test_a_sentence_whose_search_alone_runs_out_of_memory_is_a_user_error_naming
     with pytest.raises(UserError, match=r"^news.en, line 3 \(\d+ BPE tokens\): its search alone ran out of memory"):
         translate(text_model, load_processor(spm_model), SENTENCES, SearchConfig(beam_size=2, max_len_b=5),
                   progress=False, source="news.en")
+
+
+def test_an_out_of_memory_error_on_one_of_two_processes_ends_the_job_with_status_2_and_the_size_to_set(
+        prepared, tmp_path, monkeypatch):
+    from test_train import _run, _train_command
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(  # rank 1 runs out of memory in step 2's first micro-batch
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch\n"
+        "    from aiayn.train.trainer import Trainer\n"
+        "    real = Trainer._micro_step\n"
+        "    def micro_step(self, step, index, batch, shape, last):\n"
+        "        if step == 2:\n"
+        "            raise torch.OutOfMemoryError('CUDA out of memory (a test double)')\n"
+        "        return real(self, step, index, batch, shape, last)\n"
+        "    Trainer._micro_step = micro_step\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    preset = tiny_preset(steps=4, checkpoint_steps=2, keep_checkpoints=2, average_last=2, gpus=2)
+    section = {**SECTION, "device_tokens": 300}
+    result = _run(_train_command(prepared, tmp_path / "run", preset, section, "--processes", "2"), timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "preset 'tiny' ran out of memory on cpu at step 2" in result.stderr
+    assert "set train.device_tokens to " in result.stderr
+    assert not (tmp_path / "run" / "final.json").exists()
