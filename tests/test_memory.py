@@ -21,7 +21,7 @@ from aiayn.search import SearchConfig
 from aiayn.train.steps import TrainSettings
 from aiayn.train.trainer import Preempted, Trainer, train
 from conftest import REPO, tiny_preset
-from test_decode import SENTENCES, best_translations, spm_model, text_model  # noqa: F401 (fixtures)
+from test_decode import SENTENCES, spm_model, text_model  # noqa: F401 (fixtures)
 from test_train import TRAIN_SECTION, final_weights, job
 
 CUDA = torch.device("cuda", 0)
@@ -85,6 +85,23 @@ def test_numbers_a_user_sets_are_kept_and_auto_is_25000_on_the_cpu(gpu_of):
         assert TrainSettings.from_config(preset, {**train, "device_tokens": "auto"}, 1, device).device_tokens == 25000
     on_gpu = TrainSettings.from_config(preset, {**train, "device_tokens": "auto"}, 1, CUDA, paper_model("big"))
     assert on_gpu.device_tokens == resolve_device_tokens("auto", CUDA, paper_model("big"), "bf16", 25000) < 12500
+
+
+def test_processes_agree_on_the_smallest_of_their_sizes(monkeypatch):
+    from dataclasses import replace
+
+    settings = TrainSettings.from_config(tiny_preset(), {**TRAIN_SECTION, "device_tokens": 9000}, 1)
+    others = []
+
+    def all_reduce(tensor, op):  # another process sized it for a smaller GPU
+        others.append(op)
+        tensor.copy_(torch.minimum(tensor, torch.tensor([7000])))
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    assert memory.agreed_device_tokens(settings, 2, CUDA) == replace(settings, device_tokens=7000)
+    assert others == [torch.distributed.ReduceOp.MIN]
+    assert memory.agreed_device_tokens(settings, 1, CUDA) is settings  # alone: nothing to agree on
 
 
 def test_the_config_takes_auto_or_a_whole_number_for_train_device_tokens():

@@ -130,7 +130,8 @@ def agreed_device_tokens(settings, world: int, device: torch.device):
     all must split it alike, where ``auto`` sized it on GPUs of several kinds (a number set is the same on all)."""
     if world == 1 or device.type != "cuda":
         return settings
-    tokens = torch.tensor([settings.device_tokens], device=device)
+    on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")  # gloo: processes share a GPU
+    tokens = torch.tensor([settings.device_tokens], device=on)
     torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN)
     return dataclasses.replace(settings, device_tokens=int(tokens.item()))
 
@@ -215,7 +216,7 @@ def _state_gib(trainer) -> float:
 def cannot_fit_error(trainer, step: int, sentences: int, tokens: int) -> UserError:
     many = f"{sentences} sentences" if sentences > 1 else "one sentence"
     layout = (f" (its gpus: {trainer.settings.layout} lays a step out in a multiple of {trainer.settings.layout} "
-              "micro-batches)" if sentences > 1 else "")
+              "micro-batches)" if sentences > 1 and trainer.settings.layout > 1 else "")
     return UserError(
         f"preset {trainer.job.preset['name']!r} does not fit on {device_description(trainer.device)}: step {step} "
         f"ran out of memory in micro-batches of {many} ({tokens} padded tokens a side at most){layout}, beside "
@@ -237,8 +238,8 @@ def several_processes_error(trainer, step: int, shape: StepShape) -> UserError:
 # --- decoding: decode.tokens_per_batch ------------------------------------------------------------
 
 # The batch decoding holds most for: sources of two tokens (one piece and EOS). A batch of padded source
-# length S holds tokens_per_batch / S decoder rows, and each caches keys and values for S + max_len_b + 1
-# positions, which per token of the budget falls as S grows.
+# length S holds tokens_per_batch / S decoder rows, and each caches keys and values for max_len_a x S +
+# max_len_b + 1 positions, which per token of the budget falls as S grows.
 WORST_SOURCE_LENGTH = 2
 
 
