@@ -97,12 +97,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    args.tokens_per_batch = resolve_tokens_per_batch(args.tokens_per_batch, device)
+    config = SearchConfig(beam_size=args.beam, max_len_b=0)  # the paper's alpha; outputs as long as their sources
+    model_config = ModelConfig(vocab_size=args.vocab, n_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff,
+                               n_heads=args.heads, dropout=0.0)
+    args.tokens_per_batch = resolve_tokens_per_batch(args.tokens_per_batch, device, model_config, config)
     torch.manual_seed(args.seed)
-    model = NeverEnding(Transformer(ModelConfig(
-        vocab_size=args.vocab, n_layers=args.layers, d_model=args.d_model, d_ff=args.d_ff, n_heads=args.heads,
-        dropout=0.0,
-    )).to(device).eval())
+    model = NeverEnding(Transformer(model_config).to(device).eval())
     lengths = source_lengths(args)
     generator = torch.Generator().manual_seed(args.seed + 1)
     sources = [torch.randint(4, args.vocab, (length - 1,), generator=generator).tolist() + [EOS_ID]
@@ -113,7 +113,6 @@ def main(argv=None) -> int:
         for row, index in enumerate(batch):
             ids[row, : lengths[index]] = torch.tensor(sources[index])
         batches.append(ids.to(device))
-    config = SearchConfig(beam_size=args.beam, max_len_b=0)  # the paper's alpha; outputs as long as their sources
     target_tokens = sum(lengths) + len(lengths)  # each output: source-length tokens, then the forced EOS
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 

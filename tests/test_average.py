@@ -431,3 +431,15 @@ def test_a_summary_without_dev_data_is_refused_before_any_work(two_checkpoints, 
                  *map(str, two_checkpoints)]) == 2
     assert "--dev-data" in capsys.readouterr().err
     assert not output.exists() and not (tmp_path / "average.json").exists()
+
+
+def test_dev_tokens_auto_evaluates_in_the_trainers_batches_for_the_device(trained_run, prepared, tmp_path, monkeypatch):
+    import aiayn.average_dev
+    from aiayn.average import main
+
+    run_dir, _ = trained_run
+    real, sizes = aiayn.average_dev.compare_on_dev, []
+    monkeypatch.setattr(aiayn.average_dev, "compare_on_dev", lambda *args: sizes.append(args[-1]) or real(*args))
+    assert main(["--last", "2", "--checkpoint-dir", str(run_dir / "checkpoints"), "--output", str(tmp_path / "m.pt"),
+                 "--dev-data", str(prepared / "bin" / "dev"), "--device", "cpu", "--dev-tokens", "auto"]) == 0
+    assert sizes == [25000]  # train.device_tokens: auto on the CPU

@@ -116,6 +116,14 @@ def test_a_step_too_small_to_share_is_refused():
         split_step(src, tgt, steps[0], 10, layout=8)
 
 
+@pytest.mark.parametrize("layout, most", [(1, 1), (4, 2)])
+def test_device_tokens_below_one_sentence_split_a_step_as_finely_as_its_layout_allows(layout, most):
+    src = tgt = np.full(10, 30)
+    micro = split_step(src, tgt, np.arange(10), 20, layout=layout)
+    assert len(micro) == layout * (10 // layout) and max(len(m) for m in micro) == most
+    assert np.array_equal(np.concatenate(micro), np.arange(10))
+
+
 def test_length_sorted_batches_keep_the_budget_and_cover_every_sentence():
     lengths = [5, 40, 12, 3, 40, 7, 25, 1000]
     batches = length_sorted_batches(lengths, tokens_per_batch=200, beam_size=2)

@@ -26,6 +26,7 @@ from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints,
                               save_model)
 from aiayn.config import parse_with_config, schema_default
 from aiayn.errors import UserError, cli
+from aiayn.memory import tokens_argument
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
 from aiayn.layout import AVERAGE_SUMMARY
 
@@ -154,9 +155,9 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
     parser.add_argument("--precision", default="fp32", metavar="fp32|bf16|auto",
                         help="of the dev evaluation, as train.precision (default: fp32)")
-    parser.add_argument("--dev-tokens", type=int, default=schema_default("train.device_tokens"), metavar="N",
-                        help="tokens a side in one dev batch, as train.device_tokens (default: %(default)s, the "
-                             "schema's)")
+    parser.add_argument("--dev-tokens", type=tokens_argument, default=schema_default("train.device_tokens"),
+                        metavar="N|auto", help="tokens a side in one dev batch, as train.device_tokens (default: "
+                                               "%(default)s, the schema's)")
     parser.add_argument("--choose", default=schema_default("average.choose"), metavar="dev|paper",
                         help="with --dev-data, the model written: dev, the last checkpoint where the average is worse "
                              "on dev by more than noise, else the average; paper, the average always (default: "
@@ -244,9 +245,14 @@ def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> di
     that is the last checkpoint, or a warning where the average is worse but kept (--choose paper)."""
     from aiayn.average_dev import chosen, compare_on_dev, last_chosen_line, reported_model, worse_warning
     from aiayn.device import choose_device
+    from aiayn.memory import CPU_DEVICE_TOKENS, resolve_device_tokens
+    from aiayn.model import ModelConfig
+    from aiayn.train.hardware import resolved_precision
 
     device = choose_device(args.device)
-    comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, args.dev_tokens)
+    dev_tokens = resolve_device_tokens(args.dev_tokens, device, ModelConfig.from_dict(model["model_config"]),
+                                       resolved_precision(args.precision, device), ceiling=CPU_DEVICE_TOKENS)
+    comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, dev_tokens)
     reported = chosen(comparison, args.choose)
     comparison.update(choose=args.choose, reported=reported, reported_model=reported_model(comparison, reported))
     print(f"dev perplexity: averaged {comparison['dev_ppl_averaged']:.3f}, last checkpoint "

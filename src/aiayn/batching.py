@@ -234,10 +234,14 @@ def micro_batches_per_step(size: int, longest: int, device_tokens: int, layout: 
 
 def split_step(src_lengths: np.ndarray, tgt_lengths: np.ndarray, rows: np.ndarray, device_tokens: int,
                layout: int) -> list[np.ndarray]:
-    """A step's sentences cut into micro-batches of near-equal rows (the rows are in length order)."""
+    """A step's sentences cut into micro-batches of near-equal rows (the rows are in length order). Where
+    ``device_tokens`` asks for more micro-batches than sentences, as many as the layout allows: one sentence
+    a micro-batch is within ``device_tokens`` plus two sentences already."""
     src_longest, tgt_longest = int(src_lengths[rows].max()) + 1, int(tgt_lengths[rows].max()) + 1
     size = len(rows) * max(src_longest, tgt_longest)
     parts = micro_batches_per_step(size, max(src_longest, tgt_longest), device_tokens, layout)
+    if parts > len(rows) >= layout:
+        parts = layout * (len(rows) // layout)
     if parts > len(rows):
         raise UserError(f"a step of {len(rows)} sentences cannot be split into {parts} micro-batches "
                         f"for {layout} devices; raise train.tokens_per_step or lower the preset's gpus")

@@ -1,9 +1,10 @@
 """The decode stage: beam-search translation of text (paper, Section 6.1), in batches and threads.
 
 The search itself is ``aiayn.search``; this module feeds it: sentences encoded with the run's
-SentencePiece model, grouped by length into batches of a token budget (``decode.tokens_per_batch``),
-searched by worker threads on the CPU (``decode.workers``) or one at a time on a GPU, and written
-back in input order. ``translate`` is the library function, ``main`` the ``aiayn decode`` CLI.
+SentencePiece model, grouped by length into batches of a token budget (``decode.tokens_per_batch``; its
+``auto`` by the device's memory, ``aiayn.memory``), searched by worker threads on the CPU (``decode.workers``)
+or one at a time on a GPU (a batch that runs out of its memory in halves), and written back in input order.
+``translate`` is the library function, ``main`` the ``aiayn decode`` CLI.
 
 Imports torch alone at module level; sentencepiece and tqdm are imported where they are used.
 """
@@ -25,18 +26,14 @@ from aiayn.checkpoint import load_model
 from aiayn.config import read_config
 from aiayn.device import choose_device
 from aiayn.errors import UserError, cli
+from aiayn.memory import BatchHalving, tokens_per_batch_for_device
+from aiayn.model import ModelConfig
 from aiayn.search import Hypothesis, SearchConfig, beam_search
 from aiayn.search_contract import SearchModel
 from aiayn.speed.decoder_cache import ScratchBuffers
 from aiayn.speed.incremental import InferenceModel
 from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
-
-# decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
-# decoder cache (beam 4, outputs up to source + 50, bf16) within an 80 GB GPU even for a batch of the
-# shortest sources (config/README.md has the arithmetic); elsewhere the CPU's 8000.
-AUTO_TOKENS_PER_BATCH = {"cuda": 50000}
-CPU_TOKENS_PER_BATCH = 8000
 
 
 def translate(
@@ -75,7 +72,8 @@ def translate_settings(model: SearchModel, processor: Any, sentences: Sequence[s
 
     device = torch.device(device)
     config = settings.search
-    tokens_per_batch = tokens_for_device(settings.tokens_per_batch, device)
+    tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, getattr(model, "config", None),
+                                                   config)
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
@@ -85,8 +83,13 @@ def translate_settings(model: SearchModel, processor: Any, sentences: Sequence[s
     check_lengths(model, [len(ids) for ids in encoded], to_decode, source, settings.max_source_tokens)
     batches = length_sorted_batches([len(ids) for ids in encoded], tokens_per_batch, config.beam_size)
     padded = [_pad([encoded[i] for i in batch], device) for batch in batches]
+
+    def where(index: int, row: int) -> str:  # a sentence of a batch, by its line
+        position = batches[index][row]
+        return f"{source}, line {to_decode[position] + 1} ({len(encoded[position]) - 1} BPE tokens)"
+
     with tqdm(total=len(encoded), unit="sent", desc="decode", disable=not progress, file=sys.stderr) as bar:
-        searched = _search_batches(model, padded, config, search_workers(settings.workers, device), bar.update)
+        searched = _search_batches(model, padded, config, search_workers(settings.workers, device), bar.update, where)
     for batch, hypotheses in zip(batches, searched):
         for position, sentence_hypotheses in zip(batch, hypotheses):
             results[to_decode[position]] = sentence_hypotheses
@@ -142,29 +145,14 @@ def hypothesis_text(processor: Any, hypothesis: Hypothesis) -> str:
     return processor.decode(hypothesis.tokens) if hypothesis.tokens else ""
 
 
-def resolve_tokens_per_batch(tokens_per_batch: int | str | None, device: torch.device | str) -> int:
+def resolve_tokens_per_batch(tokens_per_batch: int | str | None, device: torch.device | str,
+                             model: ModelConfig | None = None, search: SearchConfig | None = None) -> int:
     """decode.tokens_per_batch as the Python API gives it (None: the schema's default), checked by the
-    schema's rule, as a number (``tokens_for_device``)."""
+    schema's rule, as a number: ``auto`` on a GPU for ``model`` searched by ``search`` (default: the paper's)
+    in that GPU's memory, 8000 elsewhere (``aiayn.memory.tokens_per_batch_for_device``)."""
     section = read_config(None, "decode", {"decode.tokens_per_batch": ("tokens_per_batch", tokens_per_batch)})
-    return tokens_for_device(section["tokens_per_batch"], device)
-
-
-def tokens_for_device(tokens_per_batch: int | str, device: torch.device | str) -> int:
-    """A checked decode.tokens_per_batch as a number: `auto` by the device's type (AUTO_TOKENS_PER_BATCH,
-    else CPU_TOKENS_PER_BATCH); a number as it is."""
-    if tokens_per_batch == "auto":
-        return AUTO_TOKENS_PER_BATCH.get(torch.device(device).type, CPU_TOKENS_PER_BATCH)
-    return tokens_per_batch
-
-
-def tokens_per_batch_argument(text: str) -> int | str:
-    """A --tokens-per-batch value: a whole number, or auto (checked by resolve_tokens_per_batch)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or auto") from None
+    return tokens_per_batch_for_device(section["tokens_per_batch"], torch.device(device), model,
+                                       search or SearchConfig())
 
 
 def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
@@ -198,7 +186,8 @@ def search_batches(
     thread runs with less overhead than two sharing each operator, so workers of one thread each
     decode faster than one worker with all the threads (BENCHMARKS.md).
     on_done(sentences) is called as each batch finishes (from the calling thread).
-    Under inference_mode, with bf16 autocast on CUDA, with the search's fast steps (``FAST_STEPS``).
+    Under inference_mode, with bf16 autocast on CUDA, with the search's fast steps (``FAST_STEPS``); a batch
+    that runs out of CUDA memory is searched in halves (``aiayn.memory.BatchHalving``).
     The Python API: workers is checked by the schema's rule (None: the schema's default).
     """
     workers = read_config(None, "decode", {"decode.workers": ("workers", workers)})["workers"]
@@ -206,12 +195,17 @@ def search_batches(
 
 
 def _search_batches(model: SearchModel, batches: Sequence[Tensor], config: SearchConfig, workers: int,
-                    on_done: Callable[[int], None] | None = None) -> list[list[list[Hypothesis]]]:
+                    on_done: Callable[[int], None] | None = None,
+                    where: Callable[[int, int], str] | None = None) -> list[list[list[Hypothesis]]]:
+    """``where(batch index, row)`` names a sentence, for the error where its search alone runs out of memory."""
     if not batches:
         return []
     device = batches[0].device
     workers = search_workers(workers, device)
     per_thread = threading.local()  # each thread's ScratchBuffers: its searches reuse one cache memory
+    # where a search runs out of memory, its scratch memory goes with it
+    halving = BatchHalving(lambda: per_thread.__dict__.pop("scratch", None),
+                           where or (lambda index, row: f"sentence {row + 1} of batch {index + 1}"))
 
     def search(batch: Tensor) -> list[list[Hypothesis]]:
         if not hasattr(per_thread, "scratch"):
@@ -229,7 +223,7 @@ def _search_batches(model: SearchModel, batches: Sequence[Tensor], config: Searc
     largest_first = sorted(range(len(batches)), key=lambda index: (-batches[index].shape[0], -batches[index].numel()))
     if workers == 1:
         for index in largest_first:
-            results[index] = search(batches[index])
+            results[index] = halving.run(search, batches[index], index)
             if on_done is not None:
                 on_done(batches[index].shape[0])
         return results
@@ -318,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
-    tokens_per_batch = tokens_for_device(settings.tokens_per_batch, device)
+    tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, model.config, config)
     workers = search_workers(settings.workers, device)
 
     start = time.perf_counter()

@@ -100,7 +100,10 @@ def first_error(node: dict, values: Any, prefix: Sequence[Any] = ()):
     if not errors:
         return None
     error = jsonschema.exceptions.best_match(errors)
-    error.path.extendleft(reversed(list(prefix)))
+    top = error  # best_match may pick an error of an anyOf's branch, whose path is its parent's and its own
+    while top.parent is not None:
+        top = top.parent
+    top.path.extendleft(reversed(list(prefix)))
     return error
 
 

@@ -22,9 +22,9 @@ import zlib
 from pathlib import Path
 from typing import Sequence, TextIO
 
-from aiayn.decode import (DecodeSettings, add_runtime_arguments, hypothesis_text, load_runtime,
-                          tokens_per_batch_argument, translate_settings)
+from aiayn.decode import DecodeSettings, add_runtime_arguments, hypothesis_text, load_runtime, translate_settings
 from aiayn.errors import UserError, cli
+from aiayn.memory import tokens_argument
 from aiayn.reading import GZIP_MAGIC, _not_text
 from aiayn.writing import refuse_overwriting_inputs
 from aiayn.search import SearchConfig
@@ -125,7 +125,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--n-best", type=int, default=SearchConfig.n_best, help="hypotheses per sentence")
     parser.add_argument("--max-len-a", type=float, help=f"default: {paper['max_len_a']:g}")
     parser.add_argument("--max-len-b", type=int, help=f"default: {paper['max_len_b']}")
-    parser.add_argument("--tokens-per-batch", type=tokens_per_batch_argument,
+    parser.add_argument("--tokens-per-batch", type=tokens_argument,
                         help="padded source tokens x beam per batch (default: auto, by device, config/README.md)")
     parser.add_argument("--workers", type=int,
                         help="CPU only: batches searched at once, each with threads / workers torch threads")

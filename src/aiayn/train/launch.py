@@ -166,11 +166,18 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _report_status(status: int) -> int:
-    """Rank 0 of a relaunched job leaves its exit status where the launching process reads it."""
+def _report_status(status: int, any_rank: bool = False) -> int:
+    """Rank 0 of a relaunched job leaves its exit status where the launching process reads it; with
+    ``any_rank`` (a user error: another process ran out of memory, say) so does any rank, unless one has."""
     target = os.environ.get("AIAYN_STATUS_FILE")
     if target and os.environ.get("RANK", "0") == "0":
         Path(target).write_text(str(status))
+    elif target and any_rank:
+        try:
+            with open(target, "x", encoding="utf-8") as status_file:
+                status_file.write(str(status))
+        except FileExistsError:
+            pass
     return status
 
 
@@ -241,7 +248,7 @@ def main(argv=None):
             ignore_stop_signals()         # ended: at exit (without the trainer's handler) they would die of it
         return _report_status(EXIT_PREEMPTED)
     except UserError:
-        _report_status(2)
+        _report_status(2, any_rank=True)
         raise
     if summary:
         print(json.dumps({k: v for k, v in summary.items() if k != "dev_history"}, indent=2))

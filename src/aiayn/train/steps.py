@@ -19,10 +19,11 @@ from aiayn.batching import (Batch, StepShape, collate, length_batches, padded_to
 from aiayn.config import preset_default, schema_default
 from aiayn.errors import UserError
 from aiayn.loss import teacher_forced_loss
+from aiayn.memory import resolve_device_tokens
 from aiayn.model import ModelConfig, Transformer
 from aiayn.speed.shapes import bucketed_lengths
 from aiayn.train.rendezvous import devices
-from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context
+from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context, resolved_precision
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class TrainSettings:
     lr_scale: float
     label_smoothing: float
     tokens_per_step: int
-    device_tokens: int
+    device_tokens: int  # a number: train.device_tokens as set, or what auto gave (aiayn.memory)
     adam_betas: tuple[float, float]
     adam_eps: float
     keep_checkpoints: int
@@ -53,13 +54,18 @@ class TrainSettings:
     attention: str = "auto"
 
     @classmethod
-    def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None) -> "TrainSettings":
-        """``device``: where the run trains, which ``auto`` settings depend on (the CPU without one)."""
+    def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
+                    model: ModelConfig | None = None) -> "TrainSettings":
+        """``device``: where the run trains, which ``auto`` settings depend on (the CPU without one); ``model``:
+        what it trains, which device_tokens: auto on a GPU depends on too."""
         buckets = train.get("shape_buckets", schema_default("train.shape_buckets"))
+        precision = resolved_precision(train["precision"], device or torch.device("cpu"))
         return cls(
             steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset["lr_scale"],
             label_smoothing=preset["label_smoothing"], tokens_per_step=train["tokens_per_step"],
-            device_tokens=train["device_tokens"], adam_betas=tuple(train["adam_betas"]), adam_eps=train["adam_eps"],
+            device_tokens=resolve_device_tokens(train["device_tokens"], device, model, precision,
+                                                ceiling=train["tokens_per_step"]),
+            adam_betas=tuple(train["adam_betas"]), adam_eps=train["adam_eps"],
             # averaging needs the last K checkpoints on disk
             keep_checkpoints=max(preset["keep_checkpoints"], preset["average_last"]),
             average_last=preset["average_last"], checkpoint_steps=preset["checkpoint_steps"],
@@ -79,6 +85,22 @@ class TrainSettings:
         """What fixes the batches and their order: a resumed run must find the same."""
         return {"tokens_per_step": self.tokens_per_step, "device_tokens": self.device_tokens,
                 "gpus": self.layout, "seed": self.seed, "shape_buckets": self.shape_buckets}
+
+    def check_batch_rule(self, saved: dict | None, path, run_dir) -> None:
+        """Refuse to resume from the checkpoint at ``path`` where its ``batch_rule`` (None: an old run's, which had
+        none) chose a step's sentences otherwise. Not for device_tokens, which only splits a step (the resumed
+        run's is ``aiayn.memory.resumed_device_tokens``'s choice)."""
+        rule = self.batch_rule()
+        if saved is None:
+            return
+        saved = {"shape_buckets": False, **saved, "device_tokens": self.device_tokens}  # older runs had no buckets
+        if saved != rule:
+            changed = ", ".join(f"{key} {saved.get(key)} -> {value}" for key, value in rule.items()
+                                if saved.get(key) != value)
+            raise UserError(
+                f"{path}: this run's batches were drawn with other settings ({changed}); resuming would "
+                f"change which sentences make a step. Put the settings back to resume exactly, or delete "
+                f"{run_dir} to start afresh")
 
 
 @dataclass
@@ -149,7 +171,12 @@ class StepSource:
             progress.cursor = 0
         rows = self.steps_of(progress.epoch)[progress.cursor]
         progress.cursor += 1
-        micro = split_step(*self.cut, rows, self.settings.device_tokens, self.settings.layout)
+        return self.micro_batches(rows)
+
+    def micro_batches(self, rows: np.ndarray, device_tokens: int | None = None) -> tuple[list[np.ndarray], StepShape]:
+        """A step's sentences (in length order) as micro-batches of at most ``device_tokens`` (default: the
+        settings') a side, and its sizes."""
+        micro = split_step(*self.cut, rows, device_tokens or self.settings.device_tokens, self.settings.layout)
         padded = self.cut if self.settings.shape_buckets else None
         return micro, StepShape.of(self.src_lengths, self.tgt_lengths, micro, padded)
 

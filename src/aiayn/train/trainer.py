@@ -33,6 +33,7 @@ from aiayn.errors import UserError
 from aiayn.writing import write_json_atomic
 from aiayn.layout import CHECKPOINTS, FINAL_MODEL, FINAL_SUMMARY
 from aiayn.loss import TrainingObjective
+from aiayn.memory import agreed_device_tokens, fit_step, resumed_device_tokens
 from aiayn.model import ModelConfig
 from aiayn.tokens import PAD_ID
 from aiayn.speed.shapes import ShapeLog
@@ -103,7 +104,6 @@ class Trainer:
         self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank,
                                     job.train_section["share_gpus"])
         self.dist.init(self.device)
-        self.settings = TrainSettings.from_config(job.preset, job.train_section, job.seed, self.device)
         self.world = self.dist.world_size
         check_layout(self.world, job.preset)
         self.train_split = load_split(job.train_data)
@@ -115,6 +115,8 @@ class Trainer:
         self.data_fingerprint = self.train_split.meta["data_fingerprint"]
         self.checkpoint_dir = job.run_dir / CHECKPOINTS
         self.model_config = self._model_config()
+        self.settings = agreed_device_tokens(TrainSettings.from_config(
+            job.preset, job.train_section, job.seed, self.device, self.model_config), self.world, self.device)
         self.dev_rows = (dev_rows(self.dev_split, self.model_config, job.dev_data, self.dist.is_main)
                          if self.dev_split is not None else None)
         torch.manual_seed(self.settings.seed)
@@ -163,15 +165,9 @@ class Trainer:
         if state["model_config"] != self.model_config.to_dict():
             raise UserError(f"{path}: its model_config differs from preset {self.job.preset['name']!r}; "
                             f"the preset changed since this run started: delete {self.job.run_dir} to start afresh")
-        rule = self.settings.batch_rule()
-        saved_rule = {"shape_buckets": False, **state.get("batch_rule", rule)}  # older runs had no buckets
-        if saved_rule != rule:
-            changed = ", ".join(f"{key} {saved_rule.get(key)} -> {value}" for key, value in rule.items()
-                                if saved_rule.get(key) != value)
-            raise UserError(
-                f"{path}: this run's batches were drawn with other settings ({changed}); resuming would "
-                f"change which sentences make a step. Put the settings back to resume exactly, or delete "
-                f"{self.job.run_dir} to start afresh")
+        self.settings = resumed_device_tokens(self.settings, self.job.train_section["device_tokens"], state,
+                                              self.dist.is_main)
+        self.settings.check_batch_rule(state.get("batch_rule"), path, self.job.run_dir)
         self.model.load_state_dict(state["model"])
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.progress = Progress(**state["progress"])
@@ -205,7 +201,8 @@ class Trainer:
         tracker = Tracker(job.run_dir, job.tracking_uri, job.experiment,
                           run_name=f"{job.preset['name']}-seed{job.seed}", enabled=job.track)
         params = flatten("", {"preset": job.preset, "train": job.train_section, "seed": job.seed}, {})
-        params.update({"model.parameters": str(self.model.num_parameters()), "world_size": str(self.world)})
+        params.update({"model.parameters": str(self.model.num_parameters()), "world_size": str(self.world),
+                       "device_tokens": str(self.settings.device_tokens)})
         commit = git_commit()
         tags = {"preset": job.preset["name"], "seed": str(job.seed), "git_commit": commit,
                 "data_fingerprint": self.data_fingerprint, "vocab_fingerprint": self.vocab_fingerprint,
@@ -353,9 +350,9 @@ class Trainer:
                 loop_start, step_start = self.clock(), time.perf_counter()
                 step = progress.step + 1
                 micro, shape = self.source.next(progress)
+                micro, shape, sums = fit_step(self, step, micro, shape)  # split anew if memory runs out
                 # every process knows the whole step's sizes: no communication before the forward pass
                 flops = 3.0 * sum(forward_flops(self.model_config, *dims) for dims in shape.shapes)  # backward ~ 2x
-                sums = self.forward_backward(step, micro, shape)
                 outcome = self.agree(step, sums, stop, start_step, loop_start, budget)
                 self.check_finite(step, outcome)
                 lr = self.optimizer_step(step)
@@ -432,7 +429,7 @@ class Trainer:
             "planned_steps": settings.steps,
             "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
             "world_size": self.world, "device": self.device_name, "device_peak_flops": self.peak,
-            "precision": self.precision, **progress.shape_costs(),
+            "precision": self.precision, "device_tokens": settings.device_tokens, **progress.shape_costs(),
             "mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri, "experiment": job.experiment,
             **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
             "data_fingerprint": self.data_fingerprint,
