@@ -15,6 +15,8 @@ from conftest import REPO, tiny_preset, write_text_corpus
 
 from aiayn import costs, params, preflight
 from aiayn.config import read_config, resolve_presets
+from aiayn.memory import tokens_per_batch_for_device
+from aiayn.search import SearchConfig
 
 PAPER = REPO / "config" / "wmt14_en_de.yaml"
 GB = 10**9
@@ -147,9 +149,13 @@ def fake_gpus(monkeypatch, name="NVIDIA H200", memory=143_771 * 2**20, capabilit
 
 def test_the_gpus_here_are_listed_with_their_precision_and_sizes(tmp_path, cached_hub, roomy_disk, monkeypatch):
     fake_gpus(monkeypatch)
-    _, rows, _ = paper_table(tmp_path)
+    config, rows, _ = paper_table(tmp_path)
+    # decode.tokens_per_batch: auto, from each preset's model in the GPU's memory (aiayn.memory)
+    batches = sorted({tokens_per_batch_for_device("auto", torch.device("cuda", 0), costs.model_config(preset, 37000),
+                                                  SearchConfig(), "bf16") for preset in resolve_presets(config).values()})
     assert rows["GPU 0"].note == ("NVIDIA H200, 140.4 GiB, compute capability 9.0, precision bf16, "
-                                  "micro-batch 12500 tokens, decode batch 50000 tokens")
+                                  f"micro-batch 12500 tokens, decode batch {batches[0]}-{batches[-1]} tokens")
+    assert 40_000 < batches[0] < batches[-1]
     assert "GPU 1" in rows and "GPU 2" not in rows
     assert rows["torch"].note.endswith("CUDA 12.8, NCCL 2.27.3")
 

@@ -28,7 +28,8 @@ import torch
 
 from aiayn import costs
 from aiayn.config import read_config, resolve_presets
-from aiayn.decode import tokens_for_device
+from aiayn.memory import resolve_device_tokens, tokens_per_batch_for_device
+from aiayn.search import SearchConfig
 from aiayn.errors import UserError, cli
 from aiayn.layout import DATA_STATS, SPLITS, text_name
 from aiayn.train.hardware import peak_flops, resolved_precision
@@ -67,8 +68,13 @@ COLUMNS = ("item", "parameters", "checkpoint", "kept", "disk", "time", "note")
 def planned_sizes(config: dict, preset: dict, device: torch.device) -> dict:
     """The micro-batch (train.device_tokens) and decode batch (decode.tokens_per_batch) a preset's jobs will
     use on ``device``: the one place the preflight asks what they are."""
-    return {"device_tokens": config["train"]["device_tokens"],
-            "decode_tokens_per_batch": tokens_for_device(config["decode"]["tokens_per_batch"], device)}
+    train, model = config["train"], costs.model_config(preset, config["bpe"]["vocab_size"])
+    precision = resolved_precision(train["precision"], device)
+    return {"device_tokens": resolve_device_tokens(train["device_tokens"], device, model, precision,
+                                                   ceiling=train["tokens_per_step"]),
+            "decode_tokens_per_batch": tokens_per_batch_for_device(
+                config["decode"]["tokens_per_batch"], device, model, SearchConfig.from_section(config["decode"]),
+                precision)}
 
 
 def visible_gpus() -> list[dict]:
@@ -222,14 +228,16 @@ def measure_step_seconds(preset: dict, config: dict, device: torch.device, vocab
 
     train = config["train"]
     model_config = costs.model_config(preset, vocab_size)
+    device_tokens = resolve_device_tokens(train["device_tokens"], device, model_config,
+                                          resolved_precision(train["precision"], device), ceiling=train["tokens_per_step"])
     length = round(costs.TYPICAL_TOKENS) + 1
     share = max(length, train["tokens_per_step"] // devices(preset))
-    rows = max(1, min(share, train["device_tokens"]) // length)
+    rows = max(1, min(share, device_tokens) // length)
     micro_batches = max(1, round(share / (rows * length)))
     torch.manual_seed(0)
     model = model_for_training(model_config, device)
     objective = TrainingObjective(model, preset["label_smoothing"],
-                                  loss_chunk_tokens(device, vocab_size, 2 * train["device_tokens"]))
+                                  loss_chunk_tokens(device, vocab_size, 2 * device_tokens))
     optimizer = adam(model.parameters(), device, lr=0.0, betas=tuple(train["adam_betas"]), eps=train["adam_eps"])
     ids = [torch.randint(4, vocab_size, (rows, length), device=device) for _ in range(3)]
     tgt_real = real_positions(ids[2])
