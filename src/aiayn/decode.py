@@ -31,6 +31,7 @@ from aiayn.speed.decoder_cache import ScratchBuffers
 from aiayn.speed.incremental import InferenceModel
 from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
+from aiayn.train.hardware import autocast_context, inference_precision
 
 # decode.tokens_per_batch = auto (the schema's default) by device. On CUDA, 50000 keeps the big model's
 # decoder cache (beam 4, outputs up to source + 50, bf16) within an 80 GB GPU even for a batch of the
@@ -198,7 +199,8 @@ def search_batches(
     thread runs with less overhead than two sharing each operator, so workers of one thread each
     decode faster than one worker with all the threads (BENCHMARKS.md).
     on_done(sentences) is called as each batch finishes (from the calling thread).
-    Under inference_mode, with bf16 autocast on CUDA, with the search's fast steps (``FAST_STEPS``).
+    Under inference_mode, on a GPU under the autocast of its precision (``inference_precision``: bf16,
+    fp16 or fp32 by its compute capability), with the search's fast steps (``FAST_STEPS``).
     The Python API: workers is checked by the schema's rule (None: the schema's default).
     """
     workers = read_config(None, "decode", {"decode.workers": ("workers", workers)})["workers"]
@@ -212,14 +214,14 @@ def _search_batches(model: SearchModel, batches: Sequence[Tensor], config: Searc
     device = batches[0].device
     workers = search_workers(workers, device)
     per_thread = threading.local()  # each thread's ScratchBuffers: its searches reuse one cache memory
+    precision = inference_precision(device)
 
     def search(batch: Tensor) -> list[list[Hypothesis]]:
         if not hasattr(per_thread, "scratch"):
             per_thread.scratch = ScratchBuffers()
-        # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
+        # On a GPU bf16, fp16 or fp32 as training's `auto` there; the log-softmax stays float32 in beam_search.
         # inference_mode and autocast are per thread, so each worker enters them itself.
-        autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-        with torch.inference_mode(), autocast:
+        with torch.inference_mode(), autocast_context(device, precision):
             return beam_search(model, batch, config, per_thread.scratch, FAST_STEPS)
 
     results: list[list[list[Hypothesis]]] = [[] for _ in batches]
