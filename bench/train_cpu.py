@@ -287,13 +287,13 @@ def main(argv=None) -> int:
         except ImportError:
             print("transformers is not installed: no peer (see this file's docstring to install it)", file=sys.stderr)
             peer = False
-    peak = peak_flops(torch.device(args.device))
     print(f"# {args.preset} ({layers} layers, d_model {d_model}), vocab {args.vocab}, {args.tokens} target tokens/step, "
           f"{args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     best = None
     ours_build = functools.partial(build_ours, chunk_tokens=args.chunk)
     for precision in precisions:
         timing = dict(warm_pass=args.warm_pass, floor=not args.no_floor)
+        peak = peak_flops(torch.device(args.device), precision)
         ours = measure_apart(ours_build, config, batches, args.device, precision, args.warmup, kept_memory=True,
                              apart=peer, **timing)
         line = f"{precision}: ours {describe(ours, peak, args.project_steps)}"

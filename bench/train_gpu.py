@@ -218,7 +218,7 @@ def measure(args, preset: str, kind: str, pool: list[Step], seen: set, attention
     real_flops = [3 * sum(sentence_flops(config, b.src, b.tgt_out) for b in step) for step in timed]
     tokens = [sum(b.tgt_tokens for b in step) for step in timed]
     padded = sum(b.src.numel() + b.tgt_in.numel() for step in timed for b in step)
-    peak = peak_flops(device)
+    peak = peak_flops(device, args.precision)
     passes = args.warm_passes
     result = {
         "preset": preset, "batches": kind, "attention": attention,

@@ -143,7 +143,7 @@ def test_a_broken_config_stops_snakemake_before_any_job(tmp_path):
     (tmp_path / "bad.yaml").write_text("train:\n  precision: fp8\n")
     result = run_snakemake(tmp_path, "-n", "--configfile", "config/config.yaml", "bad.yaml")
     assert result.returncode == 2
-    assert "error: bad.yaml: train.precision = 'fp8' is not allowed (allowed values: auto, fp32, bf16)" in result.stderr
+    assert "error: bad.yaml: train.precision = 'fp8' is not allowed (allowed values: auto, fp32, bf16, fp16)" in result.stderr
 
 
 def test_the_en_fr_config_is_table2s_other_column():

@@ -380,14 +380,16 @@ def test_learned_positions_past_the_table_raise_user_error():
 # Mixed precision.
 
 
-def test_bf16_autocast_on_cpu_gives_finite_logits_and_gradients():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_autocast_on_cpu_gives_finite_logits_and_gradients(dtype):
+    """Padding and the causal mask stay finite in fp16's narrow range as in bf16's."""
     torch.manual_seed(0)
     model = Transformer(tiny_config(dropout=0.1))
     src, tgt = tokens(2, 6, seed=1), tokens(2, 5, seed=2)
     src[0, 4:] = PAD
-    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+    with torch.autocast(device_type="cpu", dtype=dtype):
         logits = model(src, tgt)
         logits.float().sum().backward()
-    assert logits.dtype == torch.bfloat16
+    assert logits.dtype == dtype
     assert torch.isfinite(logits).all()
     assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters())

@@ -284,7 +284,7 @@ FILE_SETTINGS = ("models: [base]\nexperiment: fromfile\ntracking_uri: sqlite:///
 
 # command, option, a value the schema's rule for its key refuses, that key
 BAD_OPTIONS = [
-    ("average", "--precision", "fp16", "train.precision"),
+    ("average", "--precision", "fp8", "train.precision"),
     ("average", "--dev-tokens", "0", "train.device_tokens"),
     ("average", "--choose", "nope", "average.choose"),
     ("compare", "--experiment", "bad name", "experiment"),

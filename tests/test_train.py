@@ -439,10 +439,11 @@ def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_so
     assert run.data.tags["precision"] == summary["precision"] == "fp32"  # what train.precision became here
 
 
-def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_instructions_and_fp32_elsewhere(monkeypatch):
+def test_auto_precision_is_bf16_on_cpus_with_bf16_instructions_and_fp32_elsewhere(monkeypatch):
     from aiayn.train.hardware import resolved_precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100's
     for capabilities, expected in (({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, "bf16"),
                                    ({"avx512_bf16": True, "amx_bf16": False}, "bf16"),
                                    ({"avx512_bf16": False, "avx512_f": True, "amx_bf16": False}, "fp32"),
@@ -452,6 +453,7 @@ def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_instructions_and_f
         assert resolved_precision("auto", cuda) == "bf16"
         assert resolved_precision("fp32", cpu) == resolved_precision("fp32", cuda) == "fp32"  # given, it wins
         assert resolved_precision("bf16", cpu) == resolved_precision("bf16", cuda) == "bf16"
+        assert resolved_precision("fp16", cpu) == resolved_precision("fp16", cuda) == "fp16"
 
 
 def test_compiled_training_compiles_a_bounded_number_of_graphs_over_many_batch_shapes(prepared, tmp_path,

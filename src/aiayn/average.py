@@ -153,7 +153,7 @@ def main(argv=None):
     parser.add_argument("--summary", type=Path, help=f"a JSON file for that comparison (the DAG writes "
                         f"{AVERAGE_SUMMARY} beside the model)")
     parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
-    parser.add_argument("--precision", default="fp32", metavar="fp32|bf16|auto",
+    parser.add_argument("--precision", default="fp32", metavar="fp32|bf16|fp16|auto",
                         help="of the dev evaluation, as train.precision (default: fp32)")
     parser.add_argument("--dev-tokens", type=tokens_argument, default=schema_default("train.device_tokens"),
                         metavar="N|auto", help="tokens a side in one dev batch, as train.device_tokens (default: "

@@ -34,6 +34,7 @@ from aiayn.speed.decoder_cache import ScratchBuffers
 from aiayn.speed.incremental import InferenceModel
 from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
+from aiayn.train.hardware import autocast_context, inference_precision
 
 
 def translate(
@@ -73,7 +74,7 @@ def translate_settings(model: SearchModel, processor: Any, sentences: Sequence[s
     device = torch.device(device)
     config = settings.search
     tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, getattr(model, "config", None),
-                                                   config)
+                                                   config, inference_precision(device))
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
@@ -151,8 +152,9 @@ def resolve_tokens_per_batch(tokens_per_batch: int | str | None, device: torch.d
     schema's rule, as a number: ``auto`` on a GPU for ``model`` searched by ``search`` (default: the paper's)
     in that GPU's memory, 8000 elsewhere (``aiayn.memory.tokens_per_batch_for_device``)."""
     section = read_config(None, "decode", {"decode.tokens_per_batch": ("tokens_per_batch", tokens_per_batch)})
-    return tokens_per_batch_for_device(section["tokens_per_batch"], torch.device(device), model,
-                                       search or SearchConfig())
+    device = torch.device(device)
+    return tokens_per_batch_for_device(section["tokens_per_batch"], device, model, search or SearchConfig(),
+                                       inference_precision(device))
 
 
 def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
@@ -186,8 +188,9 @@ def search_batches(
     thread runs with less overhead than two sharing each operator, so workers of one thread each
     decode faster than one worker with all the threads (BENCHMARKS.md).
     on_done(sentences) is called as each batch finishes (from the calling thread).
-    Under inference_mode, with bf16 autocast on CUDA, with the search's fast steps (``FAST_STEPS``); a batch
-    that runs out of CUDA memory is searched in halves (``aiayn.memory.BatchHalving``).
+    Under inference_mode, on a GPU under the autocast of its precision (``inference_precision``: bf16,
+    fp16 or fp32 by its compute capability), with the search's fast steps (``FAST_STEPS``); a batch that
+    runs out of CUDA memory is searched in halves (``aiayn.memory.BatchHalving``).
     The Python API: workers is checked by the schema's rule (None: the schema's default).
     """
     workers = read_config(None, "decode", {"decode.workers": ("workers", workers)})["workers"]
@@ -203,6 +206,7 @@ def _search_batches(model: SearchModel, batches: Sequence[Tensor], config: Searc
     device = batches[0].device
     workers = search_workers(workers, device)
     per_thread = threading.local()  # each thread's ScratchBuffers: its searches reuse one cache memory
+    precision = inference_precision(device)
     # where a search runs out of memory, its scratch memory goes with it
     halving = BatchHalving(lambda: per_thread.__dict__.pop("scratch", None),
                            where or (lambda index, row: f"sentence {row + 1} of batch {index + 1}"))
@@ -210,10 +214,9 @@ def _search_batches(model: SearchModel, batches: Sequence[Tensor], config: Searc
     def search(batch: Tensor) -> list[list[Hypothesis]]:
         if not hasattr(per_thread, "scratch"):
             per_thread.scratch = ScratchBuffers()
-        # bf16 on a GPU (pitfall 5: no loss scale to overflow); the log-softmax stays float32 in beam_search.
+        # On a GPU bf16, fp16 or fp32 as training's `auto` there; the log-softmax stays float32 in beam_search.
         # inference_mode and autocast are per thread, so each worker enters them itself.
-        autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-        with torch.inference_mode(), autocast:
+        with torch.inference_mode(), autocast_context(device, precision):
             return beam_search(model, batch, config, per_thread.scratch, FAST_STEPS)
 
     results: list[list[list[Hypothesis]]] = [[] for _ in batches]
@@ -312,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
-    tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, model.config, config)
+    tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, model.config, config,
+                                                   inference_precision(device))
     workers = search_workers(settings.workers, device)
 
     start = time.perf_counter()

@@ -32,7 +32,7 @@ from aiayn.memory import resolve_device_tokens, tokens_per_batch_for_device
 from aiayn.search import SearchConfig
 from aiayn.errors import UserError, cli
 from aiayn.layout import DATA_STATS, SPLITS, text_name
-from aiayn.train.hardware import peak_flops, resolved_precision
+from aiayn.train.hardware import inference_precision, peak_flops, resolved_precision
 from aiayn.train.rendezvous import devices
 
 HUB_TIMEOUT_SECONDS = 3.0
@@ -74,7 +74,7 @@ def planned_sizes(config: dict, preset: dict, device: torch.device) -> dict:
                                                    ceiling=train["tokens_per_step"]),
             "decode_tokens_per_batch": tokens_per_batch_for_device(
                 config["decode"]["tokens_per_batch"], device, model, SearchConfig.from_section(config["decode"]),
-                precision)}
+                inference_precision(device))}
 
 
 def visible_gpus() -> list[dict]:
@@ -294,7 +294,7 @@ def time_estimate(preset: dict, config: dict, params: int, gpu: dict | None,
         hours = preset["steps"] * seconds / 3600
         how = f"measured here: {seconds * 1000:.1f} ms a step of {share:.0f} tokens a GPU in {precision}"
     else:
-        peak, measured = peak_flops(device), costs.measured_mfu(gpu["name"], precision, params)
+        peak, measured = peak_flops(device, precision), costs.measured_mfu(gpu["name"], precision, params)
         if peak is None or measured is None:
             what = "peak FLOPs" if peak is None else "utilisation"
             return None, "no measurement", f"no {what} known for {gpu['name']} in {precision}"

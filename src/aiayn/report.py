@@ -111,7 +111,8 @@ def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
 
 
 def _gpu_cost(final: dict) -> float:
-    """GPU-hours x the device's dense bf16 peak: Table 2's training cost, counted as the paper did it."""
+    """GPU-hours x the device's dense peak for the run's precision: Table 2's training cost, counted as the
+    paper did it."""
     peak = final.get("device_peak_flops")
     return final["train_hours"] * 3600 * final.get("world_size", 1) * peak if peak else math.nan
 
@@ -241,7 +242,7 @@ def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
              f"\n`{TOKENS_COLUMN}`: the mean real (non-pad) source and target tokens of one optimizer step "
              "(the paper: about 25000 + 25000). Training cost: `paper_train_flops` is the paper's GPU-hours x "
              "9.5 TFLOPS (P100); `train_cost_gpu_hours_x_peak` is ours counted the same way, GPU-hours x the "
-             "device's dense bf16 peak (empty on a CPU); `train_flops_analytic` counts the model's "
+             "device's dense peak for the run's precision (empty on a CPU); `train_flops_analytic` counts the model's "
              "multiply-adds (x2, x3 for the backward pass) of every step.\n")
     notes += ("\nLast vs averaged (Table 3): `dev_ppl_last` and `dev_ppl_averaged` are the dev perplexities of the "
               "last checkpoint and of the averaged model, measured side by side by the average stage (`average.json`, "

@@ -213,17 +213,19 @@ def test_scratch_buffers_reuse_their_memory_until_a_tensor_does_not_fit():
 # Mixed precision.
 
 
-def test_bf16_autocast_on_cpu_gives_finite_incremental_logits():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_autocast_on_cpu_gives_finite_incremental_logits(dtype):
+    """The source padding bias and the step's attention stay finite in fp16 as in bf16, over several steps."""
     torch.manual_seed(0)
     model = Transformer(tiny_config(dropout=0.1)).eval()
     inference = InferenceModel(model)
     src, tgt = tokens(2, 6, seed=1), tokens(2, 5, seed=2)
     src[0, 4:] = PAD
-    with torch.autocast(device_type="cpu", dtype=torch.bfloat16), torch.no_grad():
+    with torch.autocast(device_type="cpu", dtype=dtype), torch.no_grad():
         cache = inference.init_cache(*inference.encode(src), max_len=5)
-        step = inference.decode_step(tgt[:, 0], 0, cache)
-    assert cache.key_buffer.dtype == torch.bfloat16
-    assert torch.isfinite(step).all()
+        steps = [inference.decode_step(tgt[:, position], position, cache) for position in range(5)]
+    assert cache.key_buffer.dtype == dtype
+    assert all(torch.isfinite(step).all() for step in steps)
 
 
 # The contract: the cached path carries every part of the model's layers.

@@ -6,4 +6,5 @@
 ``steps``      the settings, where a run is, the micro-batches of each step, dev evaluation, logged means
 ``schedule``   the paper's learning-rate schedule and the FLOPs of a step
 ``hardware``   how a step runs on this machine: processes, precision, fused Adam, compile, peak FLOPs
+``precision``  fp16's loss scaling (a no-op in bf16 and fp32)
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -18,21 +19,36 @@ from aiayn.model import ModelConfig, Transformer
 from aiayn.speed.cpu_attention import cpu_attention
 from aiayn.speed.dropout import cpu_dropout
 
-# Dense bf16 tensor-core peaks, for model FLOPs utilisation when the device is known.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 70e12, "L4": 121e12,
-                   "L40S": 362e12, "V100": 125e12, "P100": 18.7e12}
+# Dense peaks (FLOP/s, without sparsity) from the vendors' datasheets, per precision a run multiplies in:
+# the tensor cores for bf16 and fp16, the CUDA cores for fp32 (torch leaves TF32 off for matrix products).
+# A precision a chip lacks has no entry (bf16 before compute capability 8.0); the figure is then unknown,
+# not another precision's. A plain chip name has the SXM module's figures (the P100's: its PCIe card's);
+# a form named in the key has its own.
+_TENSOR_16 = {"H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12,
+              "L4": 121e12, "A10G": 70e12, "A10": 125e12}
+PEAK_FLOPS = {
+    "bf16": _TENSOR_16,
+    "fp16": {**_TENSOR_16, "V100": 125e12, "V100-PCIE": 112e12, "V100S": 130e12, "T4": 65e12,
+             "P100": 18.7e12, "P100-SXM2": 21.2e12},  # P100 has no tensor cores: fp16 at twice its fp32 rate
+    "fp32": {"H200": 67e12, "H100": 67e12, "H100 PCIe": 51e12, "A100": 19.5e12, "L40S": 91.6e12, "L40": 90.5e12,
+             "L4": 30.3e12, "A10": 31.2e12, "V100": 15.7e12, "V100-PCIE": 14e12, "V100S": 16.4e12, "T4": 8.1e12,
+             "P100": 9.3e12, "P100-SXM2": 10.6e12},
+}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak for ``precision`` (as ``resolved_precision`` gives it), for the model FLOPs
+    utilisation: AIAYN_PEAK_FLOPS where set, else ``PEAK_FLOPS``'s entry for the chip whose name torch's
+    device name holds as a word (an "L40S" is no "L4", an "A100" no "A10"; of several, the longest: "H100
+    PCIe" before "H100"); None on a CPU and for a chip or precision not in the table."""
     if "AIAYN_PEAK_FLOPS" in os.environ:
         return float(os.environ["AIAYN_PEAK_FLOPS"])
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return value
-    return None
+    peaks = PEAK_FLOPS.get(precision, {})
+    chips = [chip for chip in peaks if re.search(rf"\b{re.escape(chip)}\b", name)]
+    return peaks[max(chips, key=len)] if chips else None
 
 
 @dataclass
@@ -68,12 +84,17 @@ def cpu_has_bf16_matrix_units() -> bool:
 
 
 def resolved_precision(precision: str, device: torch.device) -> str:
-    """train.precision on this device: ``fp32`` and ``bf16`` as given; ``auto`` is bf16 autocast on CUDA
-    and on a CPU with AMX or AVX512-BF16, where a whole training step was measured faster in bf16
-    (BENCHMARKS.md: AMX on an Intel Xeon, AVX512-BF16 on an AMD EPYC), and fp32 on other CPUs."""
+    """train.precision on this device: ``fp32``, ``bf16`` and ``fp16`` as given; ``auto`` on a GPU by its
+    compute capability: bf16 from 8.0 (A100 on), fp16 with loss scaling on 7.x (V100, T4: no bf16 units,
+    ``aiayn.train.precision``), fp32 below (P100: no tensor cores); on a CPU, bf16 with AMX or
+    AVX512-BF16, where a whole training step was measured faster in bf16 (BENCHMARKS.md: AMX on an Intel
+    Xeon, AVX512-BF16 on an AMD EPYC), and fp32 on other CPUs."""
     if precision != "auto":
         return precision
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matrix_units()):
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return "bf16" if major >= 8 else "fp16" if major == 7 else "fp32"
+    if device.type == "cpu" and cpu_has_bf16_matrix_units():
         return "bf16"
     return "fp32"
 
@@ -96,21 +117,32 @@ def attention_kernels(name: str, device: torch.device | str = "cuda"):
     return sdpa_kernel(ATTENTION_KERNELS[name], set_priority=True)
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @contextlib.contextmanager
 def autocast_context(device: torch.device, precision: str, attention: str = "auto"):
-    """bf16 autocast where ``resolved_precision`` says bf16. On the CPU also SDPA's math kernel: torch's
-    CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above all),
-    which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The trainer's
-    own model attends in bf16 there without SDPA (aiayn.speed.cpu_attention); this serves any other model
-    (bench/train_cpu.py's peer). On CUDA, SDPA's kernels are train.attention's (``attention_kernels``)."""
+    """bf16 or fp16 autocast where ``resolved_precision`` says so. On the CPU also SDPA's math kernel:
+    torch's CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above
+    all), which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The
+    trainer's own model attends in bf16 there without SDPA (aiayn.speed.cpu_attention); this serves any
+    other model (bench/train_cpu.py's peer). On CUDA, SDPA's kernels are train.attention's
+    (``attention_kernels``)."""
     kernels = attention_kernels(attention, device)
-    if resolved_precision(precision, device) != "bf16":
+    dtype = AUTOCAST_DTYPES.get(resolved_precision(precision, device))
+    if dtype is None:
         with kernels:
             yield
         return
     cpu_math = sdpa_kernel(SDPBackend.MATH) if device.type == "cpu" else contextlib.nullcontext()
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16), cpu_math, kernels:
+    with torch.autocast(device_type=device.type, dtype=dtype), cpu_math, kernels:
         yield
+
+
+def inference_precision(device: torch.device) -> str:
+    """The precision decoding runs in: on a GPU what ``auto`` is for training there (bf16, fp16 or fp32 by
+    its compute capability); on the CPU fp32, where the search has kernels of its own (aiayn.speed)."""
+    return resolved_precision("auto", device) if device.type == "cuda" else "fp32"
 
 
 def loss_chunk_tokens(device: torch.device, vocab_size: int, tokens: int) -> int | None:

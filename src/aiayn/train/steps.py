@@ -123,6 +123,16 @@ class Progress:
     new_shape_steps: int = 0      # steps that met one
     new_shape_seconds: float = 0.0  # and their seconds
 
+    def account(self, step: int, shape: StepShape, flops: float, seconds: float) -> None:
+        """Step ``step`` done: its tokens (``shape``), FLOPs and seconds added."""
+        self.step = step
+        self.target_tokens += shape.real_tgt
+        self.source_tokens += shape.real_src
+        self.padded_target_tokens += shape.padded_tgt
+        self.padded_source_tokens += shape.padded_src
+        self.train_flops += flops
+        self.elapsed_seconds += seconds
+
     def shape_costs(self) -> dict[str, float]:
         """What first-seen shapes cost so far (aiayn.speed.shapes.ShapeLog), for final.json and MLflow."""
         return {"distinct_shapes": self.distinct_shapes, "new_shape_steps": self.new_shape_steps,

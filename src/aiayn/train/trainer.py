@@ -39,6 +39,7 @@ from aiayn.tokens import PAD_ID
 from aiayn.speed.shapes import ShapeLog
 from aiayn.train.hardware import (Distributed, adam, autocast_context, compiled, load_optimizer_state, loss_chunk_tokens,
                                   model_for_training, peak_flops, resolved_precision)
+from aiayn.train.precision import LossScaling
 from aiayn.train.rendezvous import check_layout
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
 from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, dev_rows, evaluate,
@@ -123,12 +124,13 @@ class Trainer:
         self.model = model_for_training(self.model_config, self.device)
         self.optimizer = adam(self.model.parameters(), self.device, lr=0.0, betas=self.settings.adam_betas,
                               eps=self.settings.adam_eps)
+        self.precision = resolved_precision(self.settings.precision, self.device)  # what `auto` became here
+        self.scaling = LossScaling(self.precision, self.device)  # fp16's loss scale; a no-op otherwise
         self.progress = Progress()
         self.resumed_from = self._resume()
         self.training_model = self._wrap()
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.precision = resolved_precision(self.settings.precision, self.device)  # what `auto` became here
-        self.peak = peak_flops(self.device)
+        self.peak = peak_flops(self.device, self.precision)
         self.source = StepSource(self.train_split, self.settings)
         self.shape_log = ShapeLog()
         if not self.source.steps_of(self.progress.epoch):  # before tracking starts: no run is left open
@@ -170,6 +172,7 @@ class Trainer:
         self.settings.check_batch_rule(state.get("batch_rule"), path, self.job.run_dir)
         self.model.load_state_dict(state["model"])
         load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scaling.load_state_dict(state.get("loss_scaling", {}))
         self.progress = Progress(**state["progress"])
         torch.set_rng_state(state["rng"]["torch"])
         return path
@@ -221,7 +224,8 @@ class Trainer:
 
     def forward_backward(self, step: int, micro: list[np.ndarray], shape: StepShape) -> torch.Tensor:
         """This process's micro-batches (``index % world == rank``): gradients summed, loss sums returned. On a
-        GPU one autocast region spans the step: each weight is cast to bf16 once a step, not a micro-batch."""
+        GPU one autocast region spans the step: each weight is cast to bf16 or fp16 once a step, not a
+        micro-batch."""
         world, settings, device = self.world, self.settings, self.device
         mine = [(index, rows) for index, rows in enumerate(micro) if index % world == self.dist.rank]
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
@@ -242,7 +246,7 @@ class Trainer:
                 loss, nll = self.training_model(batch.src, batch.tgt_in, batch.tgt_out, batch.tgt_real)
             # DDP averages gradients over processes; scale so that the result is the sum over the whole
             # step's target tokens divided by their number.
-            (loss * (world / shape.real_tgt)).backward()
+            self.scaling.scale(loss * (world / shape.real_tgt)).backward()
         return torch.stack([loss.detach(), nll.detach()]).double()
 
     def agree(self, step: int, sums: torch.Tensor, stop: StopFlag, start_step: int, loop_start: float,
@@ -252,6 +256,7 @@ class Trainer:
         budgeted run's window checkpoint, so that every process knows it."""
         votes = torch.zeros(6, dtype=torch.float64, device=self.device)
         votes[:2] = sums
+        self.scaling.unscale(self.optimizer)  # fp16: the gradients as Adam will read them
         # measured, not clipped (the paper does not clip, so no pass scales the gradients); the same on
         # every process after DDP
         gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -271,32 +276,23 @@ class Trainer:
                            last=step == self.settings.steps or budget_votes > 0, window=window_votes > 0)
 
     def check_finite(self, step: int, outcome: StepOutcome) -> None:
-        """A NaN or infinite loss or gradient norm ends the run before anything is written."""
+        """A NaN or infinite loss or gradient norm ends the run before anything is written (fp16: ``skips``)."""
+        skipped = self.scaling.skips(outcome.grad_norm)
         for what, value in (("training loss", outcome.loss_sum), ("gradient norm", outcome.grad_norm)):
-            if not math.isfinite(value):
+            if not math.isfinite(value) and not (skipped and what == "gradient norm"):
                 raise TrainingDiverged(
                     f"the {what} became {value} at step {step} (preset {self.job.preset['name']}); the last "
                     f"good checkpoint is kept in {self.checkpoint_dir}. Lower lr_scale or raise warmup_steps, "
-                    "then rerun to resume from it"
+                    f"then rerun to resume from it{self.scaling.advice()}"
                 )
 
-    def optimizer_step(self, step: int) -> float:
+    def optimizer_step(self, step: int, grad_norm: float) -> float:
         lr = learning_rate(step, self.model_config.d_model, self.settings.warmup_steps, self.settings.lr_scale)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.scaling.step(self.optimizer, grad_norm)  # fp16: none where the gradients overflowed
         self.optimizer.zero_grad(set_to_none=True)
         return lr
-
-    def account(self, step: int, shape: StepShape, flops: float, seconds: float) -> None:
-        progress = self.progress
-        progress.step = step
-        progress.target_tokens += shape.real_tgt
-        progress.source_tokens += shape.real_src
-        progress.padded_target_tokens += shape.padded_tgt
-        progress.padded_source_tokens += shape.padded_src
-        progress.train_flops += flops
-        progress.elapsed_seconds += seconds
 
     def evaluate_dev(self, step: int) -> None:
         dev = evaluate(self.model, self.dev_split, self.device, self.settings.precision, self.settings.device_tokens,
@@ -314,7 +310,7 @@ class Trainer:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "schedule": schedule_record(self.model_config.d_model, settings.warmup_steps, settings.lr_scale),
             "progress": vars(progress).copy(), "rng": {"torch": torch.get_rng_state()},
-            "batch_rule": settings.batch_rule(), "window": window,
+            "batch_rule": settings.batch_rule(), "window": window, "loss_scaling": self.scaling.state_dict(),
             "config": {"preset": self.job.preset, "train": self.job.train_section, "seed": self.job.seed},
             "vocab_fingerprint": self.vocab_fingerprint, "data_fingerprint": self.data_fingerprint,
         }, path)
@@ -355,16 +351,16 @@ class Trainer:
                 flops = 3.0 * sum(forward_flops(self.model_config, *dims) for dims in shape.shapes)  # backward ~ 2x
                 outcome = self.agree(step, sums, stop, start_step, loop_start, budget)
                 self.check_finite(step, outcome)
-                lr = self.optimizer_step(step)
+                lr = self.optimizer_step(step, outcome.grad_norm)
                 seconds = time.perf_counter() - step_start
-                self.account(step, shape, flops, seconds)
+                progress.account(step, shape, flops, seconds)
                 self.shape_log.step(shape.shapes[self.dist.rank::self.world], progress, seconds)
                 window.add(outcome, shape, seconds, flops)
                 bar.update(1)
                 if main and (step % settings.log_every == 0 or outcome.last):
                     metrics = window.metrics(self.peak, self.world)
                     metrics.update({"lr": lr, "grad_norm": outcome.grad_norm, "train_flops": progress.train_flops,
-                                    "epoch": progress.epoch, **progress.shape_costs()})
+                                    "epoch": progress.epoch, **progress.shape_costs(), **self.scaling.metrics()})
                     self.tracker.log_metrics(metrics, step)
                     bar.set_postfix(loss=f"{metrics['train_loss']:.3f}", lr=f"{lr:.2e}",
                                     tok_s=f"{metrics['target_tokens_per_second']:.0f}")
@@ -429,7 +425,8 @@ class Trainer:
             "planned_steps": settings.steps,
             "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
             "world_size": self.world, "device": self.device_name, "device_peak_flops": self.peak,
-            "precision": self.precision, "device_tokens": settings.device_tokens, **progress.shape_costs(),
+            "precision": self.precision, **self.scaling.record(), "device_tokens": settings.device_tokens,
+            **progress.shape_costs(),
             "mlflow_run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri, "experiment": job.experiment,
             **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": self.vocab_fingerprint,
             "data_fingerprint": self.data_fingerprint,
