@@ -59,7 +59,9 @@ class TrainSettings:
         """``device``: where the run trains, which ``auto`` settings depend on (the CPU without one); ``model``:
         what it trains, which device_tokens: auto on a GPU depends on too."""
         buckets = train.get("shape_buckets", schema_default("train.shape_buckets"))
-        precision = resolved_precision(train["precision"], device or torch.device("cpu"))
+        # the precision decides the auto micro-batch on a GPU, and only there is it asked of the device
+        sized_by_gpu = train["device_tokens"] == "auto" and device is not None and device.type == "cuda"
+        precision = resolved_precision(train["precision"], device) if sized_by_gpu else train["precision"]
         return cls(
             steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset["lr_scale"],
             label_smoothing=preset["label_smoothing"], tokens_per_step=train["tokens_per_step"],
