@@ -177,7 +177,9 @@ def test_the_estimate_is_the_flop_count_at_the_measured_utilisation(tmp_path, ca
 def test_a_gpu_the_project_never_measured_has_no_estimate(tmp_path, cached_hub, roomy_disk, monkeypatch):
     fake_gpus(monkeypatch, name="Tesla T4", memory=15 * 2**30, capability=(7, 5), count=1)
     config, rows, _ = paper_table(tmp_path)
-    assert rows["base"].time == "no measurement" and "no peak FLOPs known for Tesla T4" in rows["base"].note
+    # a T4 (compute capability 7.5) trains in fp16, whose peak is known; the project never measured its utilisation
+    assert rows["base"].time == "no measurement" and "no utilisation known for Tesla T4 in fp16" in rows["base"].note
+    assert "precision fp16" in rows["GPU 0"].note
 
 
 def test_a_preset_that_trains_on_the_cpu_has_no_gpu_estimate(tmp_path, roomy_disk, monkeypatch):
