@@ -40,7 +40,6 @@ class DevBleu:
         sample = [int(row) for row in rows[:sentences]]
         self.sources = [self.processor.decode(split.src(row).tolist()) for row in sample]
         self.references = [self.processor.decode(split.tgt(row).tolist()) for row in sample]
-        self._inference = None
 
     @classmethod
     def from_section(cls, train_section: dict, split, rows, spm_model: Path, device: torch.device) -> "DevBleu":
@@ -60,8 +59,9 @@ class DevBleu:
         from aiayn.search import SearchConfig
         from aiayn.speed.incremental import InferenceModel
 
-        if self._inference is None or self._inference.model is not model:
-            self._inference = InferenceModel(model)  # keeps its packed weights, repacked as the weights change
+        # a fresh one each time: fused Adam updates the weights without moving their version, by which an
+        # InferenceModel would notice that its packed weights are stale
+        inference = InferenceModel(model)
         settings = DecodeSettings(SearchConfig(beam_size=self.beam_size), schema_default("decode.tokens_per_batch"),
                                   workers=1, max_source_tokens=None)
         was_training = model.training
@@ -69,7 +69,7 @@ class DevBleu:
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         model.eval()
         try:
-            hypotheses = translate_settings(self._inference, self.processor, self.sources, settings, self.device,
+            hypotheses = translate_settings(inference, self.processor, self.sources, settings, self.device,
                                             progress=False, source="the dev sample")
         finally:
             model.train(was_training)
