@@ -133,9 +133,9 @@ class Trainer:
         self.shape_log = ShapeLog()
         if not self.source.steps_of(self.progress.epoch):  # before tracking starts: no run is left open
             raise UserError(f"{job.train_data}: no training pairs")
-        self.tracker = self._start_tracking() if self.dist.is_main else None
         self.dev_bleu = DevBleu.from_section(job.train_section, self.dev_split, self.dev_rows, job.spm_model, self.device)
         self.guard = DivergenceGuard.from_section(job.train_section)
+        self.tracker = self._start_tracking() if self.dist.is_main else None
 
     # --- set-up ---------------------------------------------------------------------------
 
