@@ -115,3 +115,12 @@ def test_a_fault_before_the_first_checkpoint_stops_at_once_saying_there_is_none(
     with pytest.raises(TrainingDiverged, match=r"became nan at step 1 \(preset tiny\); no checkpoint was written "
                                                r"before it, so there is none to go back to"):
         train(job(prepared, tmp_path / "run"))
+
+
+def test_a_learning_rate_100_times_too_high_is_stopped_with_the_settings_at_fault(prepared, tmp_path):
+    from aiayn.train.divergence import TrainingDiverged
+
+    with pytest.raises(TrainingDiverged, match=r"at step \d+ \(preset tiny\).* lr_scale = 100 \(lower it\)"):
+        train(TrainJob(tiny_preset(**PRESET, lr_scale=100.0), {**TRAIN_SECTION, "spike_window": 2}, 1,
+                       prepared / "bin" / "train", prepared / "bin" / "dev", prepared / "bpe" / "spm.model",
+                       tmp_path / "run", "tests", None, False, "cpu", None, False))

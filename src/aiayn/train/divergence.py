@@ -98,8 +98,8 @@ class DivergenceGuard:
         raise TrainingDiverged(
             f"{start}{where}. The rule that fired: {rule}. The loss per target token was {loss:.4g} and the "
             f"learning rate {lr:.3g}. The settings most often at fault: lr_scale = {settings.lr_scale:g} (lower "
-            f"it), warmup_steps = {settings.warmup_steps} (raise it), train.precision = {trainer.precision} (fp32 "
-            f"has the most range){trainer.scaling.advice()}; then rerun to resume from the last checkpoint")
+            f"it), warmup_steps = {settings.warmup_steps} (raise it), train.precision = {trainer.precision}"
+            f"{'' if trainer.precision == 'fp32' else ' (fp32 has the most range)'}{trainer.scaling.advice()}; then rerun to resume from the last checkpoint")
 
 
 def roll_back(trainer):
