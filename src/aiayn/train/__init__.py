@@ -7,4 +7,6 @@
 ``schedule``   the paper's learning-rate schedule and the FLOPs of a step
 ``hardware``   how a step runs on this machine: processes, precision, fused Adam, compile, peak FLOPs
 ``precision``  fp16's loss scaling (a no-op in bf16 and fp32)
+``dev_bleu``   dev BLEU at each dev evaluation: a fixed dev sample searched as ``aiayn decode`` does, sacreBLEU
+``divergence`` a non-finite loss or a loss spike: one retry from the last checkpoint, then a stop with the reason
 """

@@ -10,7 +10,7 @@ skipped steps are counted for ``final.json`` and MLflow. The scale is part of ev
 a resumed run goes on with it.
 
 The loss itself is fp32 and unscaled, so a non-finite loss is a diverged run in every precision
-(``Trainer.check_finite``); so are gradients that still overflow with the scale below ``MIN_LOSS_SCALE``.
+(``aiayn.train.divergence``); so are gradients that still overflow with the scale below ``MIN_LOSS_SCALE``.
 
 bf16 and fp32 need none: ``LossScaling`` is then a no-op, so that the trainer reads the same for every
 precision, and their steps are the same as without it.

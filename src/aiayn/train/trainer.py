@@ -37,6 +37,8 @@ from aiayn.memory import agreed_device_tokens, fit_step, resumed_device_tokens
 from aiayn.model import ModelConfig
 from aiayn.tokens import PAD_ID
 from aiayn.speed.shapes import ShapeLog
+from aiayn.train.dev_bleu import DevBleu
+from aiayn.train.divergence import DivergenceGuard, TrainingDiverged  # noqa: F401 (TrainingDiverged: the stage's)
 from aiayn.train.hardware import (Distributed, adam, autocast_context, compiled, load_optimizer_state, loss_chunk_tokens,
                                   model_for_training, peak_flops, resolved_precision)
 from aiayn.train.precision import LossScaling
@@ -45,10 +47,6 @@ from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
 from aiayn.train.steps import (LogWindow, Progress, StepOutcome, StepSource, TrainSettings, dev_rows, evaluate,
                                micro_batch_seed)
 from aiayn.train.window import in_window, window_vote
-
-
-class TrainingDiverged(UserError):
-    """The loss or the gradient norm became NaN or infinite."""
 
 
 class Preempted(Exception):
@@ -135,6 +133,8 @@ class Trainer:
         self.shape_log = ShapeLog()
         if not self.source.steps_of(self.progress.epoch):  # before tracking starts: no run is left open
             raise UserError(f"{job.train_data}: no training pairs")
+        self.dev_bleu = DevBleu.from_section(job.train_section, self.dev_split, self.dev_rows, job.spm_model, self.device)
+        self.guard = DivergenceGuard.from_section(job.train_section)
         self.tracker = self._start_tracking() if self.dist.is_main else None
 
     # --- set-up ---------------------------------------------------------------------------
@@ -275,17 +275,6 @@ class Trainer:
         return StepOutcome(loss_sum, nll_sum, grad_norm, stopping=stop_votes > 0,
                            last=step == self.settings.steps or budget_votes > 0, window=window_votes > 0)
 
-    def check_finite(self, step: int, outcome: StepOutcome) -> None:
-        """A NaN or infinite loss or gradient norm ends the run before anything is written (fp16: ``skips``)."""
-        skipped = self.scaling.skips(outcome.grad_norm)
-        for what, value in (("training loss", outcome.loss_sum), ("gradient norm", outcome.grad_norm)):
-            if not math.isfinite(value) and not (skipped and what == "gradient norm"):
-                raise TrainingDiverged(
-                    f"the {what} became {value} at step {step} (preset {self.job.preset['name']}); the last "
-                    f"good checkpoint is kept in {self.checkpoint_dir}. Lower lr_scale or raise warmup_steps, "
-                    f"then rerun to resume from it{self.scaling.advice()}"
-                )
-
     def optimizer_step(self, step: int, grad_norm: float) -> float:
         lr = learning_rate(step, self.model_config.d_model, self.settings.warmup_steps, self.settings.lr_scale)
         for group in self.optimizer.param_groups:
@@ -297,6 +286,7 @@ class Trainer:
     def evaluate_dev(self, step: int) -> None:
         dev = evaluate(self.model, self.dev_split, self.device, self.settings.precision, self.settings.device_tokens,
                        self.settings.label_smoothing, self.dev_rows)
+        dev.update(self.dev_bleu.score(self.model))
         self.progress.dev_history.append({"step": step, **dev})
         self.tracker.log_metrics(dev, step)
 
@@ -350,7 +340,9 @@ class Trainer:
                 # every process knows the whole step's sizes: no communication before the forward pass
                 flops = 3.0 * sum(forward_flops(self.model_config, *dims) for dims in shape.shapes)  # backward ~ 2x
                 outcome = self.agree(step, sums, stop, start_step, loop_start, budget)
-                self.check_finite(step, outcome)
+                if self.guard.rolled_back(self, step, outcome, shape.real_tgt):  # aiayn.train.divergence
+                    bar.n, window = progress.step, LogWindow()  # the steps from the checkpoint again
+                    continue
                 lr = self.optimizer_step(step, outcome.grad_norm)
                 seconds = time.perf_counter() - step_start
                 progress.account(step, shape, flops, seconds)
@@ -409,6 +401,7 @@ class Trainer:
         if self.dev_split is not None:
             final_dev = evaluate(self.model, self.dev_split, self.device, settings.precision, settings.device_tokens,
                                  settings.label_smoothing, self.dev_rows)
+            final_dev.update(self.dev_bleu.score(self.model))
             if not progress.dev_history or progress.dev_history[-1]["step"] != progress.step:
                 progress.dev_history.append({"step": progress.step, **final_dev})
                 self.tracker.log_metrics(final_dev, progress.step)
