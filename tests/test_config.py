@@ -232,7 +232,7 @@ def schema_leaves(node, prefix=""):
             yield f"{prefix}{key}", child["default"]
 
 
-RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus"), "binarize": ("workers",), "decode": ("workers", "max_source_tokens")}
+RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus", "reference"), "binarize": ("workers",), "decode": ("workers", "max_source_tokens")}
 STAGE_SECTIONS = {"download": "data", "bpe": "bpe", "binarize": "binarize", "train": "train", "decode": "decode"}
 
 

@@ -92,6 +92,53 @@ def dev_perplexity_figure(curves: Mapping[str, Mapping[int, Sequence[tuple[int, 
     return figure
 
 
+def plot_reference_band(preset: str, curves: Mapping[int, Sequence[tuple[int, float]]], reference: dict | None,
+                        path: str | Path) -> Path:
+    """One preset's runs (seed -> [(step, perplexity)]) over its reference's seed band, as a PNG."""
+    return _save(reference_band_figure(preset, curves, reference), path)
+
+
+def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, float]]], reference: dict | None):
+    """Dev perplexity against step: the reference's band (lowest to highest seed) shaded, its mean dashed, an
+    end point (the paper's) as a star, each run a line; logarithmic in perplexity."""
+    from matplotlib.ticker import FuncFormatter
+
+    figure = _figure(7.0, 4.5)
+    axes = figure.add_subplot()
+    band = []
+    if reference is not None:
+        band = [(point["step"], point["dev_ppl"]["low"], point["dev_ppl"]["mean"], point["dev_ppl"]["high"])
+                for point in reference["points"] if point.get("dev_ppl")]
+    seeds = len(reference.get("seeds", [])) if reference else 0
+    if reference is not None and reference.get("kind") == "end_point":
+        for step, _, mean, _ in band:
+            axes.plot([step], [mean], marker="*", markersize=14, color="black", linestyle="none",
+                      label=f"the paper (Table 3): {mean:g} at step {step}")
+    elif band:
+        steps, low, mean, high = zip(*band)
+        axes.fill_between(steps, low, high, color="0.75", alpha=0.6, linewidth=0,
+                          label=f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)")
+        axes.plot(steps, mean, color="0.35", linestyle="--", linewidth=1.0, label="reference mean")
+    for number, (seed, points) in enumerate(sorted(curves.items())):
+        if points:
+            steps, perplexities = zip(*sorted(points))
+            axes.plot(steps, perplexities, color=f"C{number % 10}", marker="o", markersize=3, linewidth=1.4,
+                      label=f"seed {seed}: {perplexities[-1]:.3g} at step {steps[-1]}")
+    axes.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axes.yaxis.set_major_formatter(plain)
+    low_limit, high_limit = axes.get_ylim()
+    axes.yaxis.set_minor_formatter(FuncFormatter(
+        lambda value, _: f"{value:g}" if high_limit / low_limit < 20 or _leading_digit(value) in (2, 5) else ""))
+    axes.set_xlabel("training step")
+    axes.set_ylabel("dev perplexity (per BPE token)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper right")
+    source = (reference.get("note", "") if reference else "no reference")
+    axes.set_title(f"{preset}: dev perplexity against its reference\n({source})", fontsize=10)
+    return figure
+
+
 def _leading_digit(value: float) -> int:
     """1 for 1, 10 and 0.1; 2 for 2, 20 and 0.2 (read off the rounded mantissa, as tick values are not exact)."""
     return int(round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)) if value > 0 else 0

@@ -120,7 +120,7 @@ def decode_model(wildcards):
 # Settings that change how a job runs but none of its outputs. A rule passes them as resources,
 # which rerun nothing when they change; its params, which Snakemake compares with the last run's,
 # hold the rest of the section (output_settings), so a change there reruns the job and what follows.
-RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus"), "binarize": ("workers",),
+RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus", "reference"), "binarize": ("workers",),
                 "decode": ("workers", "max_source_tokens")}
 
 
