@@ -88,7 +88,7 @@ def test_the_paper_presets_have_table3s_end_points_at_their_last_step():
                                              "dev_ppl": {"low": 4.92, "mean": 4.92, "high": 4.92},
                                              "dev_bleu": {"low": 25.8, "mean": 25.8, "high": 25.8}}]
     assert references["big"]["points"][0]["step"] == 300000
-    assert all(ref["kind"] == "end_point" and "end point only" in ref["note"] for ref in references.values())
+    assert all(ref["kind"] == "end_point" and "an end point only" in ref["note"] for ref in references.values())
     assert band_position(references["base"], 50000, 6.0) is None
 
 

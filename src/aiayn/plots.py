@@ -100,42 +100,58 @@ def plot_reference_band(preset: str, curves: Mapping[int, Sequence[tuple[int, fl
 
 def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, float]]], reference: dict | None):
     """Dev perplexity against step: the reference's band (lowest to highest seed) shaded, its mean dashed, an
-    end point (the paper's) as a star, each run a line; logarithmic in perplexity."""
+    end point (the paper's) as a star, each run a line; logarithmic in perplexity. Under a curve reference a
+    second panel shows each run and the band relative to the band's mean, where a narrow band can be read."""
+    import numpy as np
     from matplotlib.ticker import FuncFormatter
 
-    figure = _figure(7.0, 4.5)
-    axes = figure.add_subplot()
     band = []
     if reference is not None:
         band = [(point["step"], point["dev_ppl"]["low"], point["dev_ppl"]["mean"], point["dev_ppl"]["high"])
                 for point in reference["points"] if point.get("dev_ppl")]
+    curve_band = len(band) > 1 and reference.get("kind") != "end_point"
+    figure = _figure(7.5, 6.5 if curve_band else 4.5)
+    axes, relative = (figure.subplots(2, 1, sharex=True, height_ratios=[3, 2]) if curve_band
+                      else (figure.add_subplot(), None))
     seeds = len(reference.get("seeds", [])) if reference else 0
-    if reference is not None and reference.get("kind") == "end_point":
+    if band and not curve_band:
         for step, _, mean, _ in band:
             axes.plot([step], [mean], marker="*", markersize=14, color="black", linestyle="none",
-                      label=f"the paper (Table 3): {mean:g} at step {step}")
-    elif band:
-        steps, low, mean, high = zip(*band)
-        axes.fill_between(steps, low, high, color="0.75", alpha=0.6, linewidth=0,
-                          label=f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)")
-        axes.plot(steps, mean, color="0.35", linestyle="--", linewidth=1.0, label="reference mean")
+                      label=f"reference end point: {mean:g} at step {step}")
+    elif curve_band:
+        steps, low, mean, high = (np.array(column, dtype=float) for column in zip(*band))
+        label = f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)"
+        axes.fill_between(steps, low, high, color="C7", alpha=0.45, linewidth=0, label=label)
+        axes.plot(steps, mean, color="0.3", linestyle="--", linewidth=1.0, label="reference mean")
+        relative.fill_between(steps, 100 * (low / mean - 1), 100 * (high / mean - 1), color="C7", alpha=0.45,
+                              linewidth=0)
+        relative.axhline(0.0, color="0.3", linestyle="--", linewidth=1.0)
     for number, (seed, points) in enumerate(sorted(curves.items())):
-        if points:
-            steps, perplexities = zip(*sorted(points))
-            axes.plot(steps, perplexities, color=f"C{number % 10}", marker="o", markersize=3, linewidth=1.4,
-                      label=f"seed {seed}: {perplexities[-1]:.3g} at step {steps[-1]}")
+        if not points:
+            continue
+        run_steps, perplexities = (np.array(column, dtype=float) for column in zip(*sorted(points)))
+        colour = f"C{number % 7}"  # C7 (grey) is the band's
+        axes.plot(run_steps, perplexities, color=colour, marker="o", markersize=3, linewidth=1.4,
+                  label=f"seed {seed}: {perplexities[-1]:.3g} at step {run_steps[-1]:.0f}")
+        if curve_band:
+            inside = (run_steps >= steps[0]) & (run_steps <= steps[-1])
+            ratio = perplexities[inside] / np.interp(run_steps[inside], steps, mean)
+            relative.plot(run_steps[inside], 100 * (ratio - 1), color=colour, marker="o", markersize=3, linewidth=1.4)
     axes.set_yscale("log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     axes.yaxis.set_major_formatter(plain)
     low_limit, high_limit = axes.get_ylim()
     axes.yaxis.set_minor_formatter(FuncFormatter(
         lambda value, _: f"{value:g}" if high_limit / low_limit < 20 or _leading_digit(value) in (2, 5) else ""))
-    axes.set_xlabel("training step")
     axes.set_ylabel("dev perplexity (per BPE token)")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=8, loc="upper right")
-    source = (reference.get("note", "") if reference else "no reference")
-    axes.set_title(f"{preset}: dev perplexity against its reference\n({source})", fontsize=10)
+    (relative if curve_band else axes).set_xlabel("training step")
+    if curve_band:
+        relative.set_ylabel("against the reference mean (%)")
+        relative.grid(True, alpha=0.3)
+    source = reference.get("note", "") if reference else "no reference"
+    figure.suptitle(f"{preset}: dev perplexity against its reference\n{source}", fontsize=10)
     return figure
 
 

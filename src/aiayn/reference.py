@@ -112,7 +112,7 @@ def paper_end_points() -> list[dict]:
             "preset": name, "experiment": "", "kind": "end_point", "data_fingerprint": "", "vocab_fingerprint": "",
             "seeds": [], "planned_steps": point["step"], "warmup_steps": setting(name, "warmup_steps"),
             "tolerance": 0.0, "points": [point],
-            "note": f"the paper's Table 3, row {paper.get('row', name)}: its end point only (newstest2013)"})
+            "note": f"the paper's Table 3, row {paper.get('row', name)}, newstest2013: an end point only"})
     return references
 
 
@@ -231,15 +231,20 @@ def _final_of(path: Path) -> Path:
 
 @cli
 def main(argv=None):
+    from aiayn.config import parse_with_config
+
     parser = argparse.ArgumentParser(prog="aiayn reference", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files (merged in order, validated once): their experiment")
     parser.add_argument("--runs", type=Path, nargs="+", required=True,
                         help="finished runs of one preset, one per seed: their folders or final.json")
     parser.add_argument("--out", type=Path, required=True, help="the reference file to write (JSON)")
-    parser.add_argument("--experiment", default="", help="the experiment the runs belong to (default: final.json's)")
+    parser.add_argument("--experiment", default="",
+                        help="the experiment the runs belong to (default: --config's, else final.json's)")
     parser.add_argument("--tolerance", type=float, default=0.0,
                         help="widen the band by this share either side before a run is placed (default 0)")
     parser.add_argument("--allow-single", action="store_true", help="accept one run: a band of zero width")
-    args = parser.parse_args(argv)
+    args, _ = parse_with_config(parser, argv, lambda config, _: {"experiment": config["experiment"]})
     finals, sources = [], []
     for run in args.runs:
         path = _final_of(run)
