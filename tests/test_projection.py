@@ -41,3 +41,24 @@ def test_fewer_than_4_points_project_nothing():
     assert MIN_POINTS == 4
     assert project(history([100, 200, 300], lambda step: 10.0), 1000, 100) is None
     assert project(history([100, 200, 300, 400], lambda step: 100.0 / step), 1000, 100) is not None
+
+
+def test_within_warmup_nothing_is_projected():
+    assert project(history(range(20, 181, 20), lambda step: 1000.0 / step), 360, 200) is None
+
+
+def test_from_every_dev_evaluation_after_warmup_the_interval_holds_each_recorded_demo_runs_end():
+    """The demo's runs (tests/data/demo_dev_curves.json: 360 steps, warmup 200, a dev evaluation every 20 steps):
+    each projection the trainer makes, from step 200 on, holds the measured step-360 perplexity (what
+    INTERVAL_Z was calibrated on; the first 30% of the steps lies within warmup and projects nothing)."""
+    import json
+    from pathlib import Path
+
+    curves = json.loads((Path(__file__).parent / "data" / "demo_dev_curves.json").read_text())
+    for preset, seeds in curves.items():
+        for seed, curve in seeds.items():
+            values = dict(map(tuple, curve))
+            assert project(history([step for step in values if step <= 108], values.get), 360, 200) is None
+            for upto in range(200, 360, 20):
+                projection = project(history([step for step in values if step <= upto], values.get), 360, 200)
+                assert projection.covers(values[360]), (preset, seed, upto, projection, values[360])

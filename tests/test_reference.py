@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import tiny_preset
@@ -147,3 +148,48 @@ def test_the_projection_is_logged_once_there_are_4_dev_points_and_the_figure_is_
     assert projected[0]["dev_ppl_projected_low"] <= projected[0]["dev_ppl_projected"] <= \
         projected[0]["dev_ppl_projected_high"]
     assert (tmp_path / "run" / "dev_ppl_band.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_paper_presets_projection_is_said_beside_table3s_figure():
+    from aiayn.train.monitor import DevMonitor
+
+    reference, _ = choose_reference("auto", "base", "wmt14_en_de", "x")
+    monitor = DevMonitor(reference, "", 100000, 4000)
+    history = [{"step": step, "dev_ppl": 4.5 + 900.0 * step ** -0.6} for step in range(1000, 30001, 1000)]
+    metrics, tags, line = monitor.observe(30000, history)
+    assert set(metrics) == {"dev_ppl_projected", "dev_ppl_projected_low", "dev_ppl_projected_high"}
+    assert tags == {}  # an end point gives no band before the last step
+    assert line.endswith("at step 100000; (Table 3: 4.92)")
+
+
+# --- the shipped demo reference and the runs it was made from ---------------------------------
+
+# The dev curves (step, perplexity) of the runs the shipped demo reference was made from: the demo DAG with
+# seeds [1, 2, 3] and train.dev_every 20.
+RECORDED = json.loads((Path(__file__).parent / "data" / "demo_dev_curves.json").read_text())
+
+
+def test_the_shipped_demo_reference_is_the_band_of_its_recorded_runs():
+    for reference in shipped_references("demo"):
+        runs = RECORDED[reference["preset"]]
+        for point in reference["points"]:
+            values = [dict(map(tuple, curve))[point["step"]] for curve in runs.values()]
+            assert (point["dev_ppl"]["low"], point["dev_ppl"]["high"]) == (min(values), max(values))
+
+
+def test_each_seed_of_the_demo_stays_inside_its_reference_band():
+    for reference in shipped_references("demo"):
+        for seed, curve in RECORDED[reference["preset"]].items():
+            assert [band_position(reference, step, ppl) for step, ppl in curve] == [0] * len(curve), seed
+
+
+def test_a_seed_stays_inside_the_band_of_the_other_two_widened_by_the_stated_tolerance():
+    """Leave one seed out: the band of the other two, widened by the reference's tolerance, holds it at every
+    dev evaluation (what the tolerance was chosen for: a new seed of a recipe is not flagged)."""
+    for reference in shipped_references("demo"):
+        runs = RECORDED[reference["preset"]]
+        for seed, curve in runs.items():
+            others = [final(int(other), runs[other], reference["preset"]) for other in runs if other != seed]
+            band = {**reference_from_runs(others, ["a", "b"]), "tolerance": reference["tolerance"]}
+            assert [band_position(band, step, ppl) for step, ppl in curve] == [0] * len(curve), (reference["preset"],
+                                                                                                 seed)
