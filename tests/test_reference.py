@@ -103,6 +103,14 @@ def test_auto_picks_the_shipped_curve_for_the_demo_and_table3_for_a_paper_preset
     assert choose_reference("none", "base", "wmt14_en_de", "x") == (None, "no reference (train.reference: none)")
 
 
+def test_a_reference_file_serves_its_preset_and_other_presets_fall_back_to_auto(tmp_path):
+    assert main(["--runs", *map(str, write_runs(tmp_path, SEEDS)), "--out", str(tmp_path / "ref.json")]) == 0
+    reference, about = choose_reference(str(tmp_path / "ref.json"), "demo_base", "demo", "f1")
+    assert reference["seeds"] == [1, 2, 3] and about.startswith(str(tmp_path / "ref.json"))
+    reference, about = choose_reference(str(tmp_path / "ref.json"), "base", "wmt14_en_de", "x")
+    assert reference["kind"] == "end_point" and "no reference of preset base; auto: " in about
+
+
 def test_a_reference_setting_that_is_no_reference_file_is_a_user_error(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     for path in (tmp_path / "missing.json", tmp_path / "bad.json"):
@@ -110,13 +118,24 @@ def test_a_reference_setting_that_is_no_reference_file_is_a_user_error(tmp_path)
             choose_reference(str(path), "demo_base", "demo", "f1")
 
 
+def test_the_report_draws_each_presets_runs_over_its_reference(tmp_path):
+    from aiayn.reference import band_figures
+
+    runs = [*SEEDS, final(1, [(100, 40.0), (300, 4.0)], preset="demo_learned")]
+    folders = write_runs(tmp_path, runs)
+    finals = {(run["preset"], run["seed"]): folder / "final.json" for run, folder in zip(runs, folders)}
+    written = band_figures(finals, "auto", tmp_path / "report")
+    assert [path.name for path in written] == ["dev_ppl_band_demo_base.png", "dev_ppl_band_demo_learned.png"]
+    assert all(path.read_bytes()[:4] == b"\x89PNG" for path in written)
+
+
 # --- the trainer says it ----------------------------------------------------------------------
 
-def tiny_job(prepared, run_dir, reference="none", **overrides):
+def tiny_job(prepared, run_dir, reference="none", tracking_uri=None, **overrides):
     section = {**TRAIN_SECTION, "reference": reference}
     return TrainJob(tiny_preset(steps=12, warmup_steps=4, **overrides), section, 1, prepared / "bin" / "train",
-                    prepared / "bin" / "dev", prepared / "bpe" / "spm.model", run_dir, "tests", None, False, "cpu",
-                    None, False)
+                    prepared / "bin" / "dev", prepared / "bpe" / "spm.model", run_dir, "tests", tracking_uri,
+                    tracking_uri is not None, "cpu", None, False)
 
 
 def metrics_of(run_dir):
@@ -139,57 +158,25 @@ def test_a_rerun_is_inside_its_references_band_and_a_10x_learning_rate_is_above_
     bands = [record["dev_ppl_band"] for record in metrics_of(tmp_path / "broken") if "dev_ppl_band" in record]
     assert bands == [1, 1, 1, 1]
     assert "above the reference band" in capsys.readouterr().err
+    projected = [record for record in metrics_of(tmp_path / "broken") if "dev_ppl_projected" in record][-1]
+    reference_end = read_references(tmp_path / "ref.json")[0]["points"][-1]["dev_ppl"]["high"]
+    assert projected["dev_ppl_projected"] > reference_end  # its projection is worse than the reference's end
 
 
-def test_the_projection_is_logged_once_there_are_4_dev_points_and_the_figure_is_drawn(prepared, tmp_path):
-    train(tiny_job(prepared, tmp_path / "run"))
+def test_mlflow_gets_the_band_position_the_projection_and_the_figure(prepared, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    train(tiny_job(prepared, tmp_path / "first"))
+    assert main(["--runs", str(tmp_path / "first"), "--out", str(tmp_path / "ref.json"), "--allow-single"]) == 0
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = train(tiny_job(prepared, tmp_path / "run", reference=str(tmp_path / "ref.json"), tracking_uri=uri))
+    client = MlflowClient(uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "dev_ppl_band")] == [3, 6, 9, 12]
+    assert run.data.tags["dev_ppl_band"] == "inside"
     projected = [record for record in metrics_of(tmp_path / "run") if "dev_ppl_projected" in record]
-    assert [record["step"] for record in projected] == [12]
+    assert [record["step"] for record in projected] == [12]  # 4 dev points, the last after warmup
     assert projected[0]["dev_ppl_projected_low"] <= projected[0]["dev_ppl_projected"] <= \
         projected[0]["dev_ppl_projected_high"]
     assert (tmp_path / "run" / "dev_ppl_band.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_a_paper_presets_projection_is_said_beside_table3s_figure():
-    from aiayn.train.monitor import DevMonitor
-
-    reference, _ = choose_reference("auto", "base", "wmt14_en_de", "x")
-    monitor = DevMonitor(reference, "", 100000, 4000)
-    history = [{"step": step, "dev_ppl": 4.5 + 900.0 * step ** -0.6} for step in range(1000, 30001, 1000)]
-    metrics, tags, line = monitor.observe(30000, history)
-    assert set(metrics) == {"dev_ppl_projected", "dev_ppl_projected_low", "dev_ppl_projected_high"}
-    assert tags == {}  # an end point gives no band before the last step
-    assert line.endswith("at step 100000; (Table 3: 4.92)")
-
-
-# --- the shipped demo reference and the runs it was made from ---------------------------------
-
-# The dev curves (step, perplexity) of the runs the shipped demo reference was made from: the demo DAG with
-# seeds [1, 2, 3] and train.dev_every 20.
-RECORDED = json.loads((Path(__file__).parent / "data" / "demo_dev_curves.json").read_text())
-
-
-def test_the_shipped_demo_reference_is_the_band_of_its_recorded_runs():
-    for reference in shipped_references("demo"):
-        runs = RECORDED[reference["preset"]]
-        for point in reference["points"]:
-            values = [dict(map(tuple, curve))[point["step"]] for curve in runs.values()]
-            assert (point["dev_ppl"]["low"], point["dev_ppl"]["high"]) == (min(values), max(values))
-
-
-def test_each_seed_of_the_demo_stays_inside_its_reference_band():
-    for reference in shipped_references("demo"):
-        for seed, curve in RECORDED[reference["preset"]].items():
-            assert [band_position(reference, step, ppl) for step, ppl in curve] == [0] * len(curve), seed
-
-
-def test_a_seed_stays_inside_the_band_of_the_other_two_widened_by_the_stated_tolerance():
-    """Leave one seed out: the band of the other two, widened by the reference's tolerance, holds it at every
-    dev evaluation (what the tolerance was chosen for: a new seed of a recipe is not flagged)."""
-    for reference in shipped_references("demo"):
-        runs = RECORDED[reference["preset"]]
-        for seed, curve in runs.items():
-            others = [final(int(other), runs[other], reference["preset"]) for other in runs if other != seed]
-            band = {**reference_from_runs(others, ["a", "b"]), "tolerance": reference["tolerance"]}
-            assert [band_position(band, step, ppl) for step, ppl in curve] == [0] * len(curve), (reference["preset"],
-                                                                                                 seed)
+    assert "dev_ppl_band.png" in [item.path for item in client.list_artifacts(run.info.run_id)]

@@ -141,8 +141,8 @@ def shipped_references(experiment: str) -> list[dict]:
 
 
 def choose_reference(setting: str, preset: str, experiment: str, data_fingerprint: str) -> tuple[dict | None, str]:
-    """The reference a run of ``preset`` is compared with under ``train.reference`` (auto, none or a file), and
-    a line that says which (or why none)."""
+    """The reference a run of ``preset`` is compared with under ``train.reference`` (auto, none or a file: its
+    reference of the preset, else auto's), and a line that says which (or why none)."""
     if setting == "none":
         return None, "no reference (train.reference: none)"
     if setting == "auto":
@@ -155,13 +155,12 @@ def choose_reference(setting: str, preset: str, experiment: str, data_fingerprin
             return paper[0], paper[0]["note"]
         why = "on other data" if curves else "none shipped"
         return None, f"no reference for preset {preset} ({why}; make one with `aiayn reference`, train.reference)"
-    references = read_references(setting)
-    matching = [ref for ref in references if ref["preset"] == preset] or references
-    if len(matching) > 1:
-        raise UserError(f"{setting}: {len(matching)} references and none of preset {preset}; give a file with "
-                        "one reference, or one of this preset")
+    matching = [ref for ref in read_references(setting) if ref["preset"] == preset]
+    if not matching:
+        reference, about = choose_reference("auto", preset, experiment, data_fingerprint)
+        return reference, f"{setting} has no reference of preset {preset}; auto: {about}"
     ref = matching[0]
-    text = f"{setting} (preset {ref['preset']}, {ref.get('note', '')})"
+    text = f"{setting} (preset {preset}, {ref.get('note', '')})"
     if ref.get("data_fingerprint") not in ("", data_fingerprint):
         text += "; warning: made on other data"
     return ref, text
