@@ -180,3 +180,18 @@ def test_mlflow_gets_the_band_position_the_projection_and_the_figure(prepared, t
         projected[0]["dev_ppl_projected_high"]
     assert (tmp_path / "run" / "dev_ppl_band.png").read_bytes()[:4] == b"\x89PNG"
     assert "dev_ppl_band.png" in [item.path for item in client.list_artifacts(run.info.run_id)]
+
+
+def test_a_demo_run_with_a_10x_learning_rate_is_above_the_band_from_step_100_and_projected_worse():
+    """Recorded (tests/data/demo_lr10_curve.json): demo_base with lr_scale 5.0 instead of 0.5, seed 1, a dev
+    evaluation every 20 steps. It falls faster at first, then stalls near perplexity 180: above the shipped band
+    (worse) at every dev evaluation from step 100 on, the first of the demo's default dev_every: 100. Its
+    projection from the warmup's end is worse than the whole reference band at the last step."""
+    from aiayn.projection import project
+
+    [curve] = json.loads((Path(__file__).parent / "data" / "demo_lr10_curve.json").read_text()).values()
+    [reference] = [ref for ref in shipped_references("demo") if ref["preset"] == "demo_base"]
+    positions = {step: band_position(reference, step, ppl) for step, ppl in curve}
+    assert [positions[step] for step in positions if step >= 100] == [1] * 14
+    projection = project([{"step": step, "dev_ppl": ppl} for step, ppl in curve if step <= 200], 360, 200)
+    assert projection.low > band_at(reference, 360)[1]

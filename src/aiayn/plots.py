@@ -102,6 +102,8 @@ def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, 
     """Dev perplexity against step: the reference's band (lowest to highest seed) shaded, its mean dashed, an
     end point (the paper's) as a star, each run a line; logarithmic in perplexity. Under a curve reference a
     second panel shows each run and the band relative to the band's mean, where a narrow band can be read."""
+    import textwrap
+
     import numpy as np
     from matplotlib.ticker import FuncFormatter
 
@@ -121,11 +123,16 @@ def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, 
     elif curve_band:
         steps, low, mean, high = (np.array(column, dtype=float) for column in zip(*band))
         label = f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)"
-        axes.fill_between(steps, low, high, color="C7", alpha=0.45, linewidth=0, label=label)
+        tolerance = reference.get("tolerance", 0.0)
+        for target, scale in ((axes, 1.0), (relative, mean)):
+            target.fill_between(steps, low / scale, high / scale, color="C7", alpha=0.45, linewidth=0,
+                                label=label if target is axes else None)
+            if tolerance:
+                target.fill_between(steps, low * (1 - tolerance) / scale, high * (1 + tolerance) / scale, color="C7",
+                                    alpha=0.18, linewidth=0,
+                                    label=f"widened by its tolerance, {tolerance:.0%}" if target is axes else None)
         axes.plot(steps, mean, color="0.3", linestyle="--", linewidth=1.0, label="reference mean")
-        relative.fill_between(steps, 100 * (low / mean - 1), 100 * (high / mean - 1), color="C7", alpha=0.45,
-                              linewidth=0)
-        relative.axhline(0.0, color="0.3", linestyle="--", linewidth=1.0)
+        relative.axhline(1.0, color="0.3", linestyle="--", linewidth=1.0)
     for number, (seed, points) in enumerate(sorted(curves.items())):
         if not points:
             continue
@@ -136,7 +143,7 @@ def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, 
         if curve_band:
             inside = (run_steps >= steps[0]) & (run_steps <= steps[-1])
             ratio = perplexities[inside] / np.interp(run_steps[inside], steps, mean)
-            relative.plot(run_steps[inside], 100 * (ratio - 1), color=colour, marker="o", markersize=3, linewidth=1.4)
+            relative.plot(run_steps[inside], ratio, color=colour, marker="o", markersize=3, linewidth=1.4)
     axes.set_yscale("log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     axes.yaxis.set_major_formatter(plain)
@@ -148,10 +155,20 @@ def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, 
     axes.legend(fontsize=8, loc="upper right")
     (relative if curve_band else axes).set_xlabel("training step")
     if curve_band:
-        relative.set_ylabel("against the reference mean (%)")
-        relative.grid(True, alpha=0.3)
+        relative.set_yscale("log")  # a run 100 times worse and a band of a few percent, both readable
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        bottom, top = relative.get_ylim()
+        ratios = [r for r in (0.01, 0.1, 0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 30, 100, 1000)
+                  if bottom <= r <= top]
+        relative.yaxis.set_major_locator(FixedLocator(ratios))
+        relative.yaxis.set_minor_locator(NullLocator())
+        relative.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{100 * (value - 1):+.0f}%"))
+        relative.set_ylabel("against the reference mean")
+        relative.grid(True, which="both", alpha=0.3)
     source = reference.get("note", "") if reference else "no reference"
-    figure.suptitle(f"{preset}: dev perplexity against its reference\n{source}", fontsize=10)
+    figure.suptitle(f"{preset}: dev perplexity against its reference\n" + "\n".join(textwrap.wrap(source, 95)),
+                    fontsize=10)
     return figure
 
 

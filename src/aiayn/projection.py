@@ -22,8 +22,8 @@ from typing import Sequence
 
 MIN_POINTS = 4  # fewer points than this (3 parameters, and one to spare) give no projection
 FLOOR_GRID = 64  # floors tried between 1 and just below the lowest perplexity seen
-INTERVAL_Z = 4.0
-INTERVAL_FLOOR = 0.05  # a relative width the interval never goes under: about 5% either side
+INTERVAL_Z = 2.0
+INTERVAL_FLOOR = 0.30  # the interval is never narrower than this in log perplexity: x/÷ 1.35
 
 
 @dataclass(frozen=True)
