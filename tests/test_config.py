@@ -232,7 +232,8 @@ def schema_leaves(node, prefix=""):
             yield f"{prefix}{key}", child["default"]
 
 
-RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus", "dev_bleu_sentences", "dev_bleu_beam", "spike_window", "spike_sigmas"), "binarize": ("workers",), "decode": ("workers", "max_source_tokens")}
+RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus", "dev_bleu_sentences", "dev_bleu_beam", "spike_window",
+                          "spike_sigmas", "reference"), "binarize": ("workers",), "decode": ("workers", "max_source_tokens")}
 STAGE_SECTIONS = {"download": "data", "bpe": "bpe", "binarize": "binarize", "train": "train", "decode": "decode"}
 
 

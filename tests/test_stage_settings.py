@@ -214,6 +214,7 @@ LEAST = {
     "decode": ["--model", "m", "--spm-model", "s", "--input", "{tmp}/i", "--output", "{tmp}/o"],
     "translate": ["--model", "m", "--spm-model", "s"],
     "score": ["--hyp", "h", "--ref", "r"],
+    "reference": ["--runs", "{tmp}/run", "--out", "{tmp}/reference.json"],
     "report": ["--runs", "f", "--dev-scores", "d", "--test-scores", "t", "--out-dir", "{tmp}/report"],
     "explore": ["--model", "m", "--spm-model", "s", "--out", "{tmp}/x.html"],
     "compare": [],

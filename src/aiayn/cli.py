@@ -19,6 +19,7 @@ COMMANDS = {
     "decode": ("aiayn.decode", "beam-search a binarized or text split"),
     "translate": ("aiayn.translate", "translate stdin to stdout with a trained model"),
     "score": ("aiayn.score", "sacreBLEU, paper-comparable tokenized BLEU and chrF"),
+    "reference": ("aiayn.reference", "a reference curve with its seed band from finished runs"),
     "report": ("aiayn.report", "Table 2 and Table 3 beside the paper's numbers"),
     "explore": ("aiayn.explore", "an HTML page of every attention layer and head of a model"),
     "compare": ("aiayn.compare", "compare runs from MLflow"),

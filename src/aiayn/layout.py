@@ -38,6 +38,7 @@ METRICS = "metrics.jsonl"
 MLFLOW_RUN_ID = "mlflow_run_id"  # a resumed job continues its MLflow run
 MLFLOW_LOGGED_STEP = "mlflow_logged_step"
 RUN_LOCK = ".lock"  # one trainer per run folder
+DEV_PPL_BAND_FIGURE = "dev_ppl_band.png"  # the run's dev curve over its reference's band (aiayn.train.monitor)
 
 CHECKPOINT_NAME = re.compile(r"(step|safety)_(\d+)\.pt")  # the names checkpoint_name() gives
 
@@ -57,6 +58,11 @@ TABLE2, TABLE3 = "table2", "table3"  # each as <name>.csv and <name>.md
 TABLES = (TABLE2, TABLE3)
 DEV_PPL_FIGURE = "dev_ppl.png"
 TABLE3_BLEU_FIGURE = "table3_bleu.png"
+
+
+def band_figure_name(preset: str) -> str:
+    """A preset's runs over its reference's seed band, one figure per preset (aiayn.reference)."""
+    return f"dev_ppl_band_{preset}.png"
 ATTENTION_LONG_DISTANCE_FIGURE = "attention_long_distance.png"
 ATTENTION_ANAPHORA_FIGURE = "attention_anaphora.png"
 ATTENTION_EXPLORER = "attention_explorer.html"  # aiayn explore's page of the same model

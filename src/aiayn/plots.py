@@ -92,6 +92,86 @@ def dev_perplexity_figure(curves: Mapping[str, Mapping[int, Sequence[tuple[int, 
     return figure
 
 
+def plot_reference_band(preset: str, curves: Mapping[int, Sequence[tuple[int, float]]], reference: dict | None,
+                        path: str | Path) -> Path:
+    """One preset's runs (seed -> [(step, perplexity)]) over its reference's seed band, as a PNG."""
+    return _save(reference_band_figure(preset, curves, reference), path)
+
+
+def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, float]]], reference: dict | None):
+    """Dev perplexity against step: the reference's band (lowest to highest seed) shaded, its mean dashed, an
+    end point (the paper's) as a star, each run a line; logarithmic in perplexity. Under a curve reference a
+    second panel shows each run and the band relative to the band's mean, where a narrow band can be read."""
+    import textwrap
+
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter
+
+    band = []
+    if reference is not None:
+        band = [(point["step"], point["dev_ppl"]["low"], point["dev_ppl"]["mean"], point["dev_ppl"]["high"])
+                for point in reference["points"] if point.get("dev_ppl")]
+    curve_band = len(band) > 1 and reference.get("kind") != "end_point"
+    figure = _figure(7.5, 6.5 if curve_band else 4.5)
+    axes, relative = (figure.subplots(2, 1, sharex=True, height_ratios=[3, 2]) if curve_band
+                      else (figure.add_subplot(), None))
+    seeds = len(reference.get("seeds", [])) if reference else 0
+    if band and not curve_band:
+        for step, _, mean, _ in band:
+            axes.plot([step], [mean], marker="*", markersize=14, color="black", linestyle="none",
+                      label=f"reference end point: {mean:g} at step {step}")
+    elif curve_band:
+        steps, low, mean, high = (np.array(column, dtype=float) for column in zip(*band))
+        label = f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)"
+        tolerance = reference.get("tolerance", 0.0)
+        for target, scale in ((axes, 1.0), (relative, mean)):
+            target.fill_between(steps, low / scale, high / scale, color="C7", alpha=0.45, linewidth=0,
+                                label=label if target is axes else None)
+            if tolerance:
+                target.fill_between(steps, low * (1 - tolerance) / scale, high * (1 + tolerance) / scale, color="C7",
+                                    alpha=0.18, linewidth=0,
+                                    label=f"widened by its tolerance, {tolerance:.0%}" if target is axes else None)
+        axes.plot(steps, mean, color="0.3", linestyle="--", linewidth=1.0, label="reference mean")
+        relative.axhline(1.0, color="0.3", linestyle="--", linewidth=1.0)
+    for number, (seed, points) in enumerate(sorted(curves.items())):
+        if not points:
+            continue
+        run_steps, perplexities = (np.array(column, dtype=float) for column in zip(*sorted(points)))
+        colour = f"C{number % 7}"  # C7 (grey) is the band's
+        axes.plot(run_steps, perplexities, color=colour, marker="o", markersize=3, linewidth=1.4,
+                  label=f"seed {seed}: {perplexities[-1]:.3g} at step {run_steps[-1]:.0f}")
+        if curve_band:
+            inside = (run_steps >= steps[0]) & (run_steps <= steps[-1])
+            ratio = perplexities[inside] / np.interp(run_steps[inside], steps, mean)
+            relative.plot(run_steps[inside], ratio, color=colour, marker="o", markersize=3, linewidth=1.4)
+    axes.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axes.yaxis.set_major_formatter(plain)
+    low_limit, high_limit = axes.get_ylim()
+    axes.yaxis.set_minor_formatter(FuncFormatter(
+        lambda value, _: f"{value:g}" if high_limit / low_limit < 20 or _leading_digit(value) in (2, 5) else ""))
+    axes.set_ylabel("dev perplexity (per BPE token)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper right")
+    (relative if curve_band else axes).set_xlabel("training step")
+    if curve_band:
+        relative.set_yscale("log")  # a run 100 times worse and a band of a few percent, both readable
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        bottom, top = relative.get_ylim()
+        ratios = [r for r in (0.01, 0.1, 0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 30, 100, 1000)
+                  if bottom <= r <= top]
+        relative.yaxis.set_major_locator(FixedLocator(ratios))
+        relative.yaxis.set_minor_locator(NullLocator())
+        relative.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{100 * (value - 1):+.0f}%"))
+        relative.set_ylabel("against the reference mean")
+        relative.grid(True, which="both", alpha=0.3)
+    source = reference.get("note", "") if reference else "no reference"
+    figure.suptitle(f"{preset}: dev perplexity against its reference\n" + "\n".join(textwrap.wrap(source, 95)),
+                    fontsize=10)
+    return figure
+
+
 def _leading_digit(value: float) -> int:
     """1 for 1, 10 and 0.1; 2 for 2, 20 and 0.2 (read off the rounded mantissa, as tick values are not exact)."""
     return int(round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)) if value > 0 else 0

@@ -8,8 +8,8 @@ translations against the base model's, and "last vs averaged": the dev perplexit
 and of the averaged model, the steps averaged and the model reported (the average stage's ``average.json``).
 Several seeds of a preset are summarised as mean and standard deviation.
 
-Pictures (PNG): dev perplexity against step for every preset, Table 3's BLEU as bars beside the
-paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
+Pictures (PNG): dev perplexity against step for every preset, each preset's runs over its reference's
+seed band (aiayn.reference), Table 3's BLEU as bars beside the paper's, and, given the base model and vocabulary, the attention heatmaps of the paper's appendix
 (aiayn.appendix_figures) and the attention explorer's page of the same model (aiayn.explore). Tables,
 pictures and page are logged as artifacts of the base model's MLflow run.
 """
@@ -261,9 +261,10 @@ def _notes(signature: str, base: str, bootstrap_samples: int) -> str:
 
 def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Path, *,
                  dev_references: str | Path | None = None, bootstrap_samples: int = BOOTSTRAP_SAMPLES,
-                 base: str | None = None, figures: bool = True) -> dict:
-    """Write table2/table3 (.csv, .md) and, with ``figures``, dev_ppl.png and table3_bleu.png, from the
-    given runs' files (``RunFiles``); the bootstrap also reads the dev references."""
+                 base: str | None = None, figures: bool = True, reference: str = "auto") -> dict:
+    """Write table2/table3 (.csv, .md) and, with ``figures``, dev_ppl.png, table3_bleu.png and each preset's
+    runs over its reference's band (``reference``: train.reference), from the given runs' files (``RunFiles``);
+    the bootstrap also reads the dev references."""
     if bootstrap_samples < 0:
         raise UserError(f"--bootstrap-samples {bootstrap_samples}: give a number of resamples, "
                         "or 0 to skip the test")
@@ -307,8 +308,10 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
         written += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
     if figures:
         from aiayn import plots
+        from aiayn.reference import band_figures
 
         written.append(plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / DEV_PPL_FIGURE))
+        written += band_figures({key: run.final for key, run in files.items()}, reference, out_dir)
         std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
         labels = [preset if row == preset else f"{preset}\n({row})"
                   for preset, row in zip(table3["preset"], table3["row"])]
@@ -412,7 +415,8 @@ def main(argv=None):
     presets = resolve_presets(config, args.config) if config else presets_from_json(args.presets_json,
                                                                                       "--presets-json")
     report = build_report(presets, run_files_from_arguments(args), args.out_dir, dev_references=args.dev_references,
-                          bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures)
+                          bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures,
+                          reference=config["train"]["reference"] if config else "auto")
     files = report["files"]
     if args.attention_model is not None and not args.no_figures:
         from aiayn.appendix_figures import appendix_figures

@@ -120,10 +120,11 @@ def decode_model(wildcards):
 # Settings that change how a job runs but none of its outputs. A rule passes them as resources,
 # which rerun nothing when they change; its params, which Snakemake compares with the last run's,
 # hold the rest of the section (output_settings), so a change there reruns the job and what follows.
-# The train job reads dev BLEU's and the divergence rules' keys from the resolved config (SETTINGS):
-# they add metrics and can stop a run that diverged, but change no checkpoint of one that does not.
+# The train job reads dev BLEU's, the divergence rules' and the reference's keys from the resolved config
+# (SETTINGS): they add metrics and a comparison and can stop a run that diverged, but change no checkpoint
+# of one that does not.
 RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus", "dev_bleu_sentences", "dev_bleu_beam", "spike_window",
-                          "spike_sigmas"), "binarize": ("workers",),
+                          "spike_sigmas", "reference"), "binarize": ("workers",),
                 "decode": ("workers", "max_source_tokens")}
 
 

@@ -25,6 +25,8 @@ rule report:
         table3_csv=report(f"{REPORT}/{layout.TABLE3}.csv", caption="../report/table3.rst", category="Tables"),
         table3_md=report(f"{REPORT}/{layout.TABLE3}.md", caption="../report/table3.rst", category="Tables"),
         dev_ppl=report(f"{REPORT}/{layout.DEV_PPL_FIGURE}", caption="../report/dev_ppl.rst", category="Figures"),
+        # each preset's runs over its reference's seed band (train.reference)
+        dev_ppl_band=[f"{REPORT}/{layout.band_figure_name(name)}" for name in PRESETS],
         table3_bleu=report(
             f"{REPORT}/{layout.TABLE3_BLEU_FIGURE}", caption="../report/table3_bleu.rst", category="Figures"
         ),

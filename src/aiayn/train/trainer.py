@@ -41,6 +41,7 @@ from aiayn.train.dev_bleu import DevBleu
 from aiayn.train.divergence import DivergenceGuard, TrainingDiverged  # noqa: F401 (TrainingDiverged: the stage's)
 from aiayn.train.hardware import (Distributed, adam, autocast_context, compiled, load_optimizer_state, loss_chunk_tokens,
                                   model_for_training, peak_flops, resolved_precision)
+from aiayn.train.monitor import DevMonitor
 from aiayn.train.precision import LossScaling
 from aiayn.train.rendezvous import check_layout
 from aiayn.train.schedule import forward_flops, learning_rate, schedule_record
@@ -135,6 +136,7 @@ class Trainer:
             raise UserError(f"{job.train_data}: no training pairs")
         self.dev_bleu = DevBleu.from_section(job.train_section, self.dev_split, self.dev_rows, job.spm_model, self.device)
         self.guard = DivergenceGuard.from_section(job.train_section)
+        self.monitor = DevMonitor.for_run(job, self.data_fingerprint)  # train.reference: a wrong file stops here
         self.tracker = self._start_tracking() if self.dist.is_main else None
 
     # --- set-up ---------------------------------------------------------------------------
@@ -289,6 +291,7 @@ class Trainer:
         dev.update(self.dev_bleu.score(self.model))
         self.progress.dev_history.append({"step": step, **dev})
         self.tracker.log_metrics(dev, step)
+        self.monitor.after_dev(step, self.progress.dev_history, self.tracker)  # the reference band, the projection
 
     def save_checkpoint(self, window: bool) -> Path:
         """Write this step's checkpoint; keep the window checkpoints averaging needs, and a safety
@@ -405,6 +408,7 @@ class Trainer:
             if not progress.dev_history or progress.dev_history[-1]["step"] != progress.step:
                 progress.dev_history.append({"step": progress.step, **final_dev})
                 self.tracker.log_metrics(final_dev, progress.step)
+            self.monitor.finish(progress.dev_history, self.tracker)
         save_model({"format": MODEL_FORMAT, "model_config": self.model_config.to_dict(),
                     "model": self.model.state_dict(), "vocab_fingerprint": self.vocab_fingerprint,
                     "data_fingerprint": self.data_fingerprint, "averaged_steps": [progress.step],
