@@ -8,12 +8,12 @@ set -euo pipefail
 results=$1 model=$2
 shift 2
 run=$results/train/$model/seed1
-out=$results/last_vs_averaged/$model
-mkdir -p "$out"
+out_dir=$results/last_vs_averaged/$model
+mkdir -p "$out_dir"
 aiayn decode --config "$@" --model "$run/final.pt" --spm-model "$results/bpe/spm.model" \
-    --input "$results/data/test.en" --output "$out/test_last.de"
-aiayn score --hyp "$out/test_last.de" --ref "$results/data/test.de" --lang de --output "$out/test_last.json" >/dev/null
-python - "$results" "$model" "$out" <<'PY'
+    --input "$results/data/test.en" --output "$out_dir/test_last.de"
+aiayn score --hyp "$out_dir/test_last.de" --ref "$results/data/test.de" --lang de --output "$out_dir/test_last.json" >/dev/null
+python - "$results" "$model" "$out_dir" <<'PY'
 import json, sys
 from pathlib import Path
 

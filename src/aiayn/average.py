@@ -247,11 +247,10 @@ def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> di
     from aiayn.device import choose_device
     from aiayn.memory import CPU_DEVICE_TOKENS, resolve_device_tokens
     from aiayn.model import ModelConfig
-    from aiayn.train.hardware import resolved_precision
 
     device = choose_device(args.device)
     dev_tokens = resolve_device_tokens(args.dev_tokens, device, ModelConfig.from_dict(model["model_config"]),
-                                       resolved_precision(args.precision, device), ceiling=CPU_DEVICE_TOKENS)
+                                       args.precision, ceiling=CPU_DEVICE_TOKENS)
     comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, dev_tokens)
     reported = chosen(comparison, args.choose)
     comparison.update(choose=args.choose, reported=reported, reported_model=reported_model(comparison, reported))

@@ -73,7 +73,8 @@ def translate_settings(model: SearchModel, processor: Any, sentences: Sequence[s
 
     device = torch.device(device)
     config = settings.search
-    tokens_per_batch = _tokens_per_batch(settings.tokens_per_batch, device, getattr(model, "config", None), config)
+    tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, getattr(model, "config", None),
+                                                   config, "auto")
     results: list[list[Hypothesis]] = [[Hypothesis(tokens=[], score=0.0, log_prob=0.0)] for _ in sentences]
     to_decode = [index for index, sentence in enumerate(sentences) if sentence.strip()]
     if not to_decode:
@@ -151,15 +152,8 @@ def resolve_tokens_per_batch(tokens_per_batch: int | str | None, device: torch.d
     schema's rule, as a number: ``auto`` on a GPU for ``model`` searched by ``search`` (default: the paper's)
     in that GPU's memory, 8000 elsewhere (``aiayn.memory.tokens_per_batch_for_device``)."""
     section = read_config(None, "decode", {"decode.tokens_per_batch": ("tokens_per_batch", tokens_per_batch)})
-    return _tokens_per_batch(section["tokens_per_batch"], torch.device(device), model, search or SearchConfig())
-
-
-def _tokens_per_batch(setting: int | str, device: torch.device, model: ModelConfig | None,
-                      search: SearchConfig) -> int:
-    """decode.tokens_per_batch as a number (``tokens_per_batch_for_device``), ``auto`` on a GPU at the
-    precision the search runs in there."""
-    precision = inference_precision(device) if setting == "auto" and device.type == "cuda" else "fp32"
-    return tokens_per_batch_for_device(setting, device, model, search, precision)
+    return tokens_per_batch_for_device(section["tokens_per_batch"], torch.device(device), model,
+                                       search or SearchConfig(), "auto")
 
 
 def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
@@ -320,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     prepare_output(args.output, create=False)  # refused before decoding, not after; its folder made when written
     sentences = read_lines(args.input)
     model, processor, device = load_runtime(args)
-    tokens_per_batch = _tokens_per_batch(settings.tokens_per_batch, device, model.config, config)
+    tokens_per_batch = tokens_per_batch_for_device(settings.tokens_per_batch, device, model.config, config,
+                                                   "auto")
     workers = search_workers(settings.workers, device)
 
     start = time.perf_counter()

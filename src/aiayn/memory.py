@@ -25,6 +25,7 @@ from aiayn.batching import StepShape
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig
 from aiayn.params import count_parameters
+from aiayn.train.hardware import inference_precision, resolved_precision
 
 GiB = 2 ** 30
 CPU_DEVICE_TOKENS = 25000     # train.device_tokens: auto on the CPU: the schema's default before auto existed
@@ -112,7 +113,8 @@ def estimated_device_tokens(config: ModelConfig, total_memory: int, precision: s
 def resolve_device_tokens(setting: int | str, device: torch.device | None, config: ModelConfig | None,
                           precision: str, ceiling: int) -> int:
     """train.device_tokens as a number: a number as it is; ``auto`` on a CUDA device the estimate
-    (``estimated_device_tokens``) for ``config`` at the resolved ``precision``, at most ``ceiling`` (the
+    (``estimated_device_tokens``) for ``config`` at ``precision`` (train.precision: ``auto`` is resolved for
+    that device here, the one place it decides a size), at most ``ceiling`` (the
     step's train.tokens_per_step: a micro-batch is never larger) and at least SMALLEST_AUTO_DEVICE_TOKENS;
     elsewhere (or without ``device``) CPU_DEVICE_TOKENS."""
     if setting != "auto":
@@ -121,7 +123,7 @@ def resolve_device_tokens(setting: int | str, device: torch.device | None, confi
         return CPU_DEVICE_TOKENS
     if config is None:
         raise ValueError("train.device_tokens: auto on a GPU needs the model's config")
-    tokens = estimated_device_tokens(config, device_memory(device), precision)
+    tokens = estimated_device_tokens(config, device_memory(device), resolved_precision(precision, device))
     return max(min(tokens, ceiling), min(SMALLEST_AUTO_DEVICE_TOKENS, ceiling))
 
 
@@ -269,13 +271,16 @@ def estimated_tokens_per_batch(config: ModelConfig, search, total_memory: int, p
 def tokens_per_batch_for_device(setting: int | str, device: torch.device, config: ModelConfig | None,
                                 search, precision: str = "bf16") -> int:
     """decode.tokens_per_batch as a number: a number as it is; ``auto`` on a CUDA device the estimate for the
-    model and search there (``estimated_tokens_per_batch``), elsewhere CPU_TOKENS_PER_BATCH."""
+    model and search there (``estimated_tokens_per_batch``) at ``precision`` (``auto``: the one the search
+    runs in on that GPU, ``inference_precision``), elsewhere CPU_TOKENS_PER_BATCH."""
     if setting != "auto":
         return setting
     if device.type != "cuda":
         return CPU_TOKENS_PER_BATCH
     if config is None:
         raise ValueError("decode.tokens_per_batch: auto on a GPU needs the model's config")
+    if precision == "auto":
+        precision = inference_precision(device)
     return estimated_tokens_per_batch(config, search, device_memory(device), precision)
 
 

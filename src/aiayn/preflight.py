@@ -32,7 +32,7 @@ from aiayn.memory import resolve_device_tokens, tokens_per_batch_for_device
 from aiayn.search import SearchConfig
 from aiayn.errors import UserError, cli
 from aiayn.layout import DATA_STATS, SPLITS, text_name
-from aiayn.train.hardware import inference_precision, peak_flops, resolved_precision
+from aiayn.train.hardware import peak_flops, resolved_precision
 from aiayn.train.rendezvous import devices
 
 HUB_TIMEOUT_SECONDS = 3.0
@@ -69,12 +69,11 @@ def planned_sizes(config: dict, preset: dict, device: torch.device) -> dict:
     """The micro-batch (train.device_tokens) and decode batch (decode.tokens_per_batch) a preset's jobs will
     use on ``device``: the one place the preflight asks what they are."""
     train, model = config["train"], costs.model_config(preset, config["bpe"]["vocab_size"])
-    precision = resolved_precision(train["precision"], device)
-    return {"device_tokens": resolve_device_tokens(train["device_tokens"], device, model, precision,
+    return {"device_tokens": resolve_device_tokens(train["device_tokens"], device, model, train["precision"],
                                                    ceiling=train["tokens_per_step"]),
             "decode_tokens_per_batch": tokens_per_batch_for_device(
                 config["decode"]["tokens_per_batch"], device, model, SearchConfig.from_section(config["decode"]),
-                inference_precision(device))}
+                "auto")}
 
 
 def visible_gpus() -> list[dict]:
@@ -228,8 +227,8 @@ def measure_step_seconds(preset: dict, config: dict, device: torch.device, vocab
 
     train = config["train"]
     model_config = costs.model_config(preset, vocab_size)
-    device_tokens = resolve_device_tokens(train["device_tokens"], device, model_config,
-                                          resolved_precision(train["precision"], device), ceiling=train["tokens_per_step"])
+    device_tokens = resolve_device_tokens(train["device_tokens"], device, model_config, train["precision"],
+                                          ceiling=train["tokens_per_step"])
     length = round(costs.TYPICAL_TOKENS) + 1
     share = max(length, train["tokens_per_step"] // devices(preset))
     rows = max(1, min(share, device_tokens) // length)

@@ -43,11 +43,8 @@ class DevBleu:
 
     @classmethod
     def from_section(cls, train_section: dict, split, rows, spm_model: Path, device: torch.device) -> "DevBleu":
-        """With ``train.dev_bleu_sentences`` and ``train.dev_bleu_beam`` (the schema's where a section made by
-        hand lacks them)."""
-        sentences, beam = (train_section.get(key, schema_default(f"train.{key}"))
-                           for key in ("dev_bleu_sentences", "dev_bleu_beam"))
-        return cls(split, rows, spm_model, sentences, beam, device)
+        """With ``train.dev_bleu_sentences`` and ``train.dev_bleu_beam`` of a section the config door filled."""
+        return cls(split, rows, spm_model, train_section["dev_bleu_sentences"], train_section["dev_bleu_beam"], device)
 
     @property
     def enabled(self) -> bool:

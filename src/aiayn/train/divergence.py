@@ -27,7 +27,6 @@ import sys
 from collections import deque
 
 from aiayn.checkpoint import list_checkpoints
-from aiayn.config import schema_default
 from aiayn.errors import UserError
 from aiayn.train.schedule import learning_rate
 
@@ -48,8 +47,8 @@ class DivergenceGuard:
 
     @classmethod
     def from_section(cls, train_section: dict) -> "DivergenceGuard":
-        """With ``train.spike_window`` and ``train.spike_sigmas`` (the schema's where a hand-made section lacks them)."""
-        return cls(*(train_section.get(key, schema_default(f"train.{key}")) for key in ("spike_window", "spike_sigmas")))
+        """With ``train.spike_window`` and ``train.spike_sigmas`` of a section the config door filled."""
+        return cls(train_section["spike_window"], train_section["spike_sigmas"])
 
     def fired(self, step: int, loss: float, grad_norm: float, skipped: bool) -> tuple[str, str] | None:
         """What happened and the rule that fired, in words, or None (then the loss joins the window)."""

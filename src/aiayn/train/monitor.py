@@ -27,7 +27,7 @@ class DevMonitor:
     def for_run(cls, job, data_fingerprint: str) -> "DevMonitor":
         """The monitor of a ``TrainJob`` (``train.reference`` picks its reference)."""
         preset = job.preset
-        reference, about = choose_reference(str(job.train_section.get("reference", "auto")), preset["name"],
+        reference, about = choose_reference(job.train_section["reference"], preset["name"],
                                             job.experiment, data_fingerprint)
         return cls(reference, about, preset["steps"], preset["warmup_steps"], preset["name"], job.seed, job.run_dir)
 

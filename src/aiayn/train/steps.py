@@ -23,7 +23,7 @@ from aiayn.memory import resolve_device_tokens
 from aiayn.model import ModelConfig, Transformer
 from aiayn.speed.shapes import bucketed_lengths
 from aiayn.train.rendezvous import devices
-from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context, resolved_precision
+from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,10 @@ class TrainSettings:
         """``device``: where the run trains, which ``auto`` settings depend on (the CPU without one); ``model``:
         what it trains, which device_tokens: auto on a GPU depends on too."""
         buckets = train.get("shape_buckets", schema_default("train.shape_buckets"))
-        # the precision decides the auto micro-batch on a GPU, and only there is it asked of the device
-        sized_by_gpu = train["device_tokens"] == "auto" and device is not None and device.type == "cuda"
-        precision = resolved_precision(train["precision"], device) if sized_by_gpu else train["precision"]
         return cls(
             steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset["lr_scale"],
             label_smoothing=preset["label_smoothing"], tokens_per_step=train["tokens_per_step"],
-            device_tokens=resolve_device_tokens(train["device_tokens"], device, model, precision,
+            device_tokens=resolve_device_tokens(train["device_tokens"], device, model, train["precision"],
                                                 ceiling=train["tokens_per_step"]),
             adam_betas=tuple(train["adam_betas"]), adam_eps=train["adam_eps"],
             # averaging needs the last K checkpoints on disk
@@ -92,9 +89,9 @@ class TrainSettings:
         """Refuse to resume from the checkpoint at ``path`` where its ``batch_rule`` (None: an old run's, which had
         none) chose a step's sentences otherwise. Not for device_tokens, which only splits a step (the resumed
         run's is ``aiayn.memory.resumed_device_tokens``'s choice)."""
-        rule = self.batch_rule()
         if saved is None:
             return
+        rule = self.batch_rule()
         saved = {"shape_buckets": False, **saved, "device_tokens": self.device_tokens}  # older runs had no buckets
         if saved != rule:
             changed = ", ".join(f"{key} {saved.get(key)} -> {value}" for key, value in rule.items()
