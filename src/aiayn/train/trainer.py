@@ -402,10 +402,12 @@ class Trainer:
         progress, settings, job = self.progress, self.settings, self.job
         final_dev = {}
         if self.dev_split is not None:
-            final_dev = evaluate(self.model, self.dev_split, self.device, settings.precision, settings.device_tokens,
-                                 settings.label_smoothing, self.dev_rows)
-            final_dev.update(self.dev_bleu.score(self.model))
-            if not progress.dev_history or progress.dev_history[-1]["step"] != progress.step:
+            if progress.dev_history and progress.dev_history[-1]["step"] == progress.step:  # the loop's, of this model
+                final_dev = {key: value for key, value in progress.dev_history[-1].items() if key != "step"}
+            else:
+                final_dev = evaluate(self.model, self.dev_split, self.device, settings.precision,
+                                     settings.device_tokens, settings.label_smoothing, self.dev_rows)
+                final_dev.update(self.dev_bleu.score(self.model))
                 progress.dev_history.append({"step": progress.step, **final_dev})
                 self.tracker.log_metrics(final_dev, progress.step)
             self.monitor.finish(progress.dev_history, self.tracker)
