@@ -29,7 +29,7 @@ paper-dry-run: install
 	$(BIN)/snakemake -n --cores $(CORES) --configfile config/wmt14_en_de.yaml
 
 # The wheels bench/gpu.sh installs on a GPU node whose Python lacks the workflow's packages and which has
-# no internet (README, "GPU check"): at the lock's versions, into the git-ignored .whl/. GPU_PY=3.11 makes a set for this
+# no internet (docs/gpu-check.md): at the lock's versions, into the git-ignored .whl/. GPU_PY=3.11 makes a set for this
 # machine's Python, to try the same install here.
 GPU_PY ?= 3.12
 WHEELS ?= .whl

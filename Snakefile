@@ -11,7 +11,7 @@ min_version("9.0")
 # The demo is one config among the others, used when no --configfile is given: under a user's config
 # lies only the schema with its defaults (common.smk), never the demo's values. Its path is this
 # file's folder, not the working directory, so `snakemake -s <clone>/Snakefile` runs from anywhere;
-# as a module (README, "Use the workflow from your own repository") the user's config is used instead.
+# as a module (docs/elsewhere.md) the user's config is used instead.
 DEMO_CONFIG = f"{workflow.current_basedir}/config/config.yaml"
 
 

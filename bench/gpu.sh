@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The check of one GPU node (README, "GPU check"): the real pipeline and its speeds, in one run of at most
+# The check of one GPU node (docs/gpu-check.md): the real pipeline and its speeds, in one run of at most
 # 8 minutes, each part under its own time and printed as it goes (a part that fails or runs out of its time
 # does not stop the next).
 #   srun --gres=gpu:1 --cpus-per-task=16 --time=00:15:00 env PYTHON=.venv/bin/python MULTI30K=... bash bench/gpu.sh
@@ -182,7 +182,7 @@ part 5 "beam-search decoding, newstest2014-shaped, beam 4" $T_DECODE t "$PYTHON"
 m30k() {
   local file
   for file in train.en train.de val.en val.de test_2016_flickr.en test_2016_flickr.de; do
-    [ -s "$MULTI30K/$file" ] || { echo "error: no $MULTI30K/$file: set MULTI30K to the folder of Multi30k's plain text (train, val and test_2016_flickr, .en and .de; README, \"GPU check\")"; return 2; }
+    [ -s "$MULTI30K/$file" ] || { echo "error: no $MULTI30K/$file: set MULTI30K to the folder of Multi30k's plain text (train, val and test_2016_flickr, .en and .de; docs/gpu-check.md)"; return 2; }
   done
   ln -sfn "$(cd "$MULTI30K" && pwd)" "$M30K/data/multi30k"  # where config/multi30k.yaml reads it
   # a time budget for the training, so that the stages after it keep their time; its window checkpoints

@@ -1,4 +1,4 @@
-"""The README's picture of the attention explorer: a page written by ``aiayn explore``, in headless Chromium.
+"""docs/explorer.md's picture of the attention explorer: a page written by ``aiayn explore``, in headless Chromium.
 
 Drives Debian's chromium through its chromedriver with selenium (the test extra's pin), as the browser
 tests do: picks a sentence, an attention kind, a layer and a head, points at one row, and saves the window.

@@ -1,9 +1,9 @@
-"""The README's MLflow pictures, made in headless Chromium from the demo's store.
+"""docs/mlflow.md's MLflow pictures, made in headless Chromium from the demo's store.
 
 Two pages: ``--page runs``, the experiment's runs table in its saved view (``aiayn.tracking``'s
 "BLEU and Table 3 knobs": the Source column with the commit, dev/test BLEU, dev perplexity and the
 presets' knobs), opened by its address; and ``--page compare``, the
-runs compared by parallel coordinates (BLEU against a Table 3 knob), by the clicks the README describes.
+runs compared by parallel coordinates (BLEU against a Table 3 knob), by the clicks docs/mlflow.md describes.
 Needs what the pinned environment does not have: Chromium (`apt-get install chromium`) and
 `pip install playwright` (in a scratch venv); it drives the system Chromium, so playwright downloads no
 browser.
@@ -59,7 +59,7 @@ def runs_table(page, url: str, experiment_id: str) -> None:
 
 
 def compare_runs(page, url: str, experiment_id: str, ids: list[str], params: list[str], metric: str) -> None:
-    """Parallel coordinates of the given knobs against a metric, by the clicks the README describes."""
+    """Parallel coordinates of the given knobs against a metric, by the clicks docs/mlflow.md describes."""
     quote = lambda value: urllib.parse.quote(json.dumps(value, separators=(",", ":")))  # noqa: E731
     page.goto(f"{url}/#/compare-runs?runs={quote(ids)}&experiments={quote([experiment_id])}")
     page.wait_for_selector("text=Parallel Coordinates Plot", timeout=60000)

@@ -51,6 +51,8 @@ def copy_workflow(workdir: Path) -> Path:
     for name in ("Snakefile", "workflow", "config"):
         source = REPO / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, workdir / name)
+    # the profiles a test names; the workflow profile, profiles/default, stays out (tests/test_config.py runs it)
+    shutil.copytree(REPO / "profiles", workdir / "profiles", ignore=shutil.ignore_patterns("default"))
     (workdir / "override.yaml").write_text(OVERRIDE)
     return workdir
 
@@ -67,8 +69,8 @@ def environment() -> dict[str, str]:
 
 
 def cluster_profile(workdir: Path, cluster: LocalCluster) -> Path:
-    """workflow/profiles/slurm with what this one small node needs, and nothing else changed."""
-    profile = yaml.safe_load((REPO / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
+    """profiles/slurm with what this one small node needs, and nothing else changed."""
+    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
     profile["default-resources"]["slurm_partition"] = PARTITION
     # the rules ask for a GPU node's memory (64 GB to train); this node has less
     profile["set-resources"] = {rule: {"mem_mb": 500} for rule in RULES}
@@ -138,7 +140,7 @@ def runs(cluster, tmp_path_factory):
     profile = cluster_profile(slurm_dir, cluster)
     started = time.monotonic()
     # the same cores for both: the BPE job takes them all as its threads
-    local = start_snakemake(local_dir, "--profile", "workflow/profiles/local", "--cores", str(cluster.cpus),
+    local = start_snakemake(local_dir, "--profile", "profiles/local", "--cores", str(cluster.cpus),
                             "--configfile", "config/config.yaml", "override.yaml")
     slurm = start_snakemake(slurm_dir, "--profile", str(profile), "--configfile", "config/config.yaml", "override.yaml",
                             *GROUPS)
@@ -239,7 +241,7 @@ def test_the_paper_training_job_asks_sbatch_for_the_presets_gpus(cluster, tmp_pa
     for folder in ("bin/train", "bin/dev", "bpe"):
         (results / folder).mkdir(parents=True)
     (results / "bpe" / "spm.model").write_bytes(b"")
-    command = snakemake_command("--profile", "workflow/profiles/slurm", "--configfile", "config/wmt14_en_de.yaml",
+    command = snakemake_command("--profile", "profiles/slurm", "--configfile", "config/wmt14_en_de.yaml",
                                 "two_nodes.yaml", "--allowed-rules", "train", "--retries", "0",
                                 "--no-hooks",  # the preflight would refuse this workflow's stubbed inputs
                                 "--cores", str(cluster.cpus), "--slurm-init-seconds-before-status-checks", "1",
@@ -290,7 +292,7 @@ def dry_run_jobs(workdir: Path, *configfiles: str) -> dict[tuple[str, str], dict
     """`snakemake -n` with the SLURM profile: (rule, wildcards) -> the resources each job shows, and its threads.
     The plugin prints no sbatch line in a dry run (Snakemake swaps in its dry-run executor), so these are
     what each job asks."""
-    result = subprocess.run(snakemake_command("-n", "--profile", "workflow/profiles/slurm", "--configfile", *configfiles),
+    result = subprocess.run(snakemake_command("-n", "--profile", "profiles/slurm", "--configfile", *configfiles),
                             cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = {}
@@ -389,7 +391,7 @@ def test_download_runs_where_snakemake_runs_under_the_slurm_profile(tmp_path):
     own process (the login node), never through sbatch, where compute nodes may have no internet. No SLURM
     is needed to see it: a job sent to sbatch here would fail."""
     workdir = copy_workflow(tmp_path)
-    result = subprocess.run(snakemake_command("--profile", "workflow/profiles/slurm", "--configfile", "config/config.yaml",
+    result = subprocess.run(snakemake_command("--profile", "profiles/slurm", "--configfile", "config/config.yaml",
                                               "override.yaml", "--slurm-init-seconds-before-status-checks", "1",
                                               "--", "results/demo/data/stats.json"),
                             cwd=workdir, env=environment(), capture_output=True, text=True, timeout=300)
@@ -399,18 +401,18 @@ def test_download_runs_where_snakemake_runs_under_the_slurm_profile(tmp_path):
     assert json.loads((workdir / "results/demo/data/stats.json").read_text())["splits"]["dev"]["pairs_written"] == 40
 
 
-def readme_sbatch_rows() -> dict[str, str]:
-    """README, "Running on a cluster": the table of what each job after training asks sbatch for."""
-    section = (REPO / "README.md").read_text().split("## Running on a cluster", 1)[1].split("\n## ", 1)[0]
+def stated_sbatch_rows() -> dict[str, str]:
+    """docs/cluster.md, "Jobs sized by the model": the table of what each job after training asks sbatch for."""
+    section = (REPO / "docs" / "cluster.md").read_text().split("## Jobs sized by the model", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^ *\| (\w+), (\w+) \| `(sbatch [^`]*)` \|", section, re.M)
     return {f"{rule} {model}": call for rule, model, call in rows}
 
 
-def test_big_and_base_evaluation_jobs_ask_sbatch_for_what_the_readme_states(tmp_path):
+def test_big_and_base_evaluation_jobs_ask_sbatch_for_what_the_cluster_page_states(tmp_path):
     """The average, decode and score jobs of base and big, from a dry run of the paper's config rendered by
-    the plugin's own code into their sbatch calls: every option the README's table states is there, and
+    the plugin's own code into their sbatch calls: every option docs/cluster.md's table states is there, and
     score asks for no GPU."""
-    stated = readme_sbatch_rows()
+    stated = stated_sbatch_rows()
     assert set(stated) == {f"{rule} {model}" for rule in ("average", "decode", "score") for model in ("base", "big")}
     jobs = dry_run_jobs(copy_workflow(tmp_path), "config/wmt14_en_de.yaml")
     for name, options in stated.items():

@@ -148,7 +148,6 @@ def test_the_projects_text_describes_the_gpu_check_as_a_command_on_the_users_own
     found = [f"{name}: {phrase}" for name in texts if name != "tests/test_gpu_check.py"
              for phrase in NOT_A_USERS_PROCEDURE if phrase in (REPO / name).read_text(errors="replace")]
     assert found == []
-    readme = (REPO / "README.md").read_text()
-    check = readme[readme.index("## GPU check"):readme.index("\n## ", readme.index("## GPU check") + 5)]
+    check = (REPO / "docs" / "gpu-check.md").read_text()
     assert "srun --gres=gpu:1" in check and "#SBATCH" in check and "bash bench/gpu.sh" in check
     assert "torch.version.cuda, torch.cuda.is_available()" in check

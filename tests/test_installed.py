@@ -3,7 +3,7 @@ the pinned dependencies, runs every command from a folder outside the clone.
 
 pip installs from its cache and the machine's local wheels where it finds them (the pins of
 requirements.lock), without compiling every module to bytecode first, so the cost is mostly unpacking
-torch (README, "Development", says what it costs). The environment has no access to this clone's sources: no
+torch (docs/development.md, "Tests", says what it costs). The environment has no access to this clone's sources: no
 PYTHONPATH, no system site-packages, so `aiayn.__file__` must lie inside it.
 """
 
@@ -44,10 +44,10 @@ presets:
 
 
 def readme_wheel_commands() -> list[str]:
-    """The README's two commands of "Installing the package elsewhere", as written (their comments left out)."""
+    """The two commands of docs/elsewhere.md, "Installing the package elsewhere", as written (their comments left out)."""
     import re
 
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "docs" / "elsewhere.md").read_text(encoding="utf-8")
     section = text[text.index("## Installing the package elsewhere"):]
     block = section[section.index("```bash\n") + len("```bash\n"):section.index("```", section.index("```bash") + 3)]
     commands = [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
@@ -58,8 +58,8 @@ def readme_wheel_commands() -> list[str]:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A fresh virtual environment holding the wheel built from this clone and its pinned dependencies, by the
-    README's commands as written: the build in a fresh copy of the clone's package files, the install in a
-    fresh folder that holds only the wheel and requirements.lock (what the README says to take along)."""
+    commands of docs/elsewhere.md as written: the build in a fresh copy of the clone's package files, the install
+    in a fresh folder that holds only the wheel and requirements.lock (what that page says to take along)."""
     build_command, install_command = readme_wheel_commands()
     root = tmp_path_factory.mktemp("installed")
     source, elsewhere = root / "source", root / "elsewhere"  # a copy: the build's egg-info stays out of the clone

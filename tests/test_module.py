@@ -1,7 +1,7 @@
 """The workflow as a Snakemake module: a user's own repository runs the DAG with its own config, and the
 results land in that repository's folder.
 
-The user's Snakefile is the README's few lines. PATH holds no virtual environment, as for a user who
+The user's Snakefile is the few lines of docs/elsewhere.md. PATH holds no virtual environment, as for a user who
 runs `.venv/bin/snakemake` without activating it: the jobs find `aiayn` because the workflow puts the
 bin folder of the Python that runs Snakemake first on their PATH.
 """

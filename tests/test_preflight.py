@@ -20,7 +20,7 @@ from aiayn.search import SearchConfig
 
 PAPER = REPO / "config" / "wmt14_en_de.yaml"
 GB = 10**9
-# README, "Disk and time before the queue": the hand count for config/wmt14_en_de.yaml
+# docs/cluster.md, "Disk and time before the queue": the hand count for config/wmt14_en_de.yaml
 README_TOTAL = 175 * GB
 
 

@@ -49,6 +49,8 @@ def copy_workflow(workdir):
     for name in ("Snakefile", "workflow", "config"):
         source = REPO / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, workdir / name)
+    # the profiles a test names; the workflow profile, profiles/default, stays out (tests/test_config.py runs it)
+    shutil.copytree(REPO / "profiles", workdir / "profiles", ignore=shutil.ignore_patterns("default"))
     (workdir / "override.yaml").write_text(OVERRIDE)
     return workdir
 
@@ -213,7 +215,7 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
     node) after its first periodic checkpoint; the same command again resumes it and finishes the DAG."""
     workdir = copy_workflow(tmp_path)
     run_dir = "results/demo/train/demo_base/seed1"
-    command = snakemake_command("--profile", "workflow/profiles/local", "--retries", "0")
+    command = snakemake_command("--profile", "profiles/local", "--retries", "0")
     with open(tmp_path / "first.out", "w") as out:
         first = subprocess.Popen(command, cwd=workdir, env=snakemake_environment(), stdout=out,
                                  stderr=subprocess.STDOUT)
@@ -252,7 +254,7 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
         assert list(frames[0]["preset"]) == ["demo_base"]
         pd.testing.assert_frame_equal(frames[0], frames[1])
     # Every other output has the bytes of the uninterrupted run's, but for what records time or
-    # identity by design (README, "What each stage writes").
+    # identity by design (docs/results.md).
     differing = different_outputs(uninterrupted, restarted)
     assert [name for name in differing if f"/{TIME_BUDGETED}/" not in f"/{name}" and name not in EVERY_PRESET] == []
 
@@ -261,7 +263,7 @@ TIME_BUDGETED = "demo_nopos"  # the preset of the shared override with a time bu
 EVERY_PRESET = ("report/dev_ppl.png", "report/table3_bleu.png")  # figures that draw the time-budgeted one too
 
 
-# What two runs of the DAG may write differently (README, "What each stage writes"): logs, the training
+# What two runs of the DAG may write differently (docs/results.md): logs, the training
 # run's clock and MLflow identity (checkpoints carry both, for resuming), and the report tables' train_hours.
 RUN_TO_RUN_EXCEPTIONS = ("logs/*", "train/*/seed*/checkpoints/*", "train/*/seed*/final.json",
                          "train/*/seed*/metrics.jsonl", "train/*/seed*/mlflow_*", "train/*/seed*/.lock",
@@ -308,7 +310,7 @@ def test_a_user_error_is_not_retried_under_the_local_profile(tmp_path):
     once: the retries see that attempt 1 ended with a user error and end at once. The message shows once."""
     workdir = copy_workflow(tmp_path)
     message = broken_local_input(workdir)
-    result = snakemake(workdir, "--profile", "workflow/profiles/local", "--configfile", "config/config.yaml",
+    result = snakemake(workdir, "--profile", "profiles/local", "--configfile", "config/config.yaml",
                        "broken.yaml")
     terminal = result.stdout + result.stderr
     assert result.returncode != 0

@@ -32,7 +32,7 @@ def cuda_diagnosis() -> str:
 def no_gpu_error(what: str) -> UserError:
     return UserError(
         f"{what}, but torch sees no CUDA device here: {cuda_diagnosis()}. Nothing was run. To train on the GPU, "
-        "install torch's CUDA build (README, \"GPU check\") and check it with "
+        "install torch's CUDA build (docs/gpu-check.md) and check it with "
         "python -c \"import torch; print(torch.version.cuda, torch.cuda.is_available())\" on the GPU node; "
         "to train on the CPU on purpose, set train.device: cpu (or the preset's gpus: 0)")
 

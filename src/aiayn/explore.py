@@ -12,7 +12,7 @@ so that they are the weights with which it wrote that translation.
 The page is hand-written (``explore_page.html``, package data) and filled with the data as JSON: canvases
 and a little JavaScript, nothing fetched from anywhere, so that it opens offline from a cluster's file
 system or an MLflow artifact. A plotting library would inline megabytes of JavaScript for a heatmap
-(README, "Seeing what the model attends to"). The weights travel as little-endian float32 in base64: exact, and smaller
+(docs/explorer.md). The weights travel as little-endian float32 in base64: exact, and smaller
 than their decimal digits.
 """
 

@@ -143,7 +143,7 @@ def several_nodes_allocation(preset: dict) -> Allocation:
     if allocation is None:
         raise UserError(f"preset {preset['name']!r} asks for nodes: {nodes}, one torchrun agent a node, which "
                         f"needs a SLURM allocation of {nodes} nodes: run it through the SLURM profile (snakemake "
-                        "--profile workflow/profiles/slurm) or start its agents on each node (docs/cluster.md, "
+                        "--profile profiles/slurm) or start its agents on each node (docs/cluster.md, "
                         "\"Several nodes\"); to train on this machine, set the preset's nodes to 1")
     if len(allocation.hosts) < nodes:
         raise UserError(f"preset {preset['name']!r} asks for nodes: {nodes}, but SLURM job {allocation.job_id} "
