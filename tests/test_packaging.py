@@ -26,7 +26,7 @@ def pyproject_pins() -> dict[str, str]:
 
 
 def test_the_conda_environment_pins_equal_the_package_pins():
-    environment = yaml.safe_load((REPO / "environment.yml").read_text())
+    environment = yaml.safe_load((REPO / "envs" / "aiayn.yaml").read_text())
     pip_section = next(item["pip"] for item in environment["dependencies"] if isinstance(item, dict))
     conda_pins = {}
     for requirement in pip_section:
