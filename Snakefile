@@ -44,9 +44,11 @@ onstart:
     preflight()
 
 
-# The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end.
+# The jobs' own messages (`error: ...`, `warning: ...`) are in their logs; these show them at the end,
+# then which model each run reports (the average stage's choice) and where the report is.
 onsuccess:
     show_job_messages(failed=False)
+    show_reported_models()
     show_report_folder()
 
 

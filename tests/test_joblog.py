@@ -1,5 +1,5 @@
 """`aiayn --log FILE --attempt N`: output into the log, a user error not run again on a retry; and the
-end-of-run summary of the messages in this run's logs."""
+end-of-run summary of the messages in this run's logs and of the model each run reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from aiayn.joblog import messages, print_job_messages, snapshot_logs
+from aiayn.joblog import messages, print_job_messages, print_reported_models, snapshot_logs
 
 # A stand-in for a stage: says it ran (in the log, and in a count file), then ends with the status asked for.
 STAGE = """
@@ -111,6 +111,41 @@ def test_the_summary_shows_only_logs_written_since_the_snapshot(tmp_path):
     assert print_job_messages(logs, before, failed=True, out=out) == 2
     assert out.getvalue() == (f"{logs / 'download.log'}:\nwarning: 2 pairs look Moses-escaped\n"
                               "error: data.local.train.src: bad\n")
+
+
+def average_summary(path, dev_ppl_averaged: float, dev_ppl_last: float, choose: str = "dev"):
+    """An average.json as the average stage writes it (aiayn.average_dev), for the last 3 of steps 10-30."""
+    from aiayn.average_dev import chosen, reported_model
+
+    summary = {"dev_ppl_averaged": dev_ppl_averaged, "dev_ppl_last": dev_ppl_last, "averaged_steps": [20, 25, 30],
+               "last_steps": [30], "averaged_worse": dev_ppl_averaged > dev_ppl_last, "choose": choose}
+    summary["reported"] = chosen(summary, choose)
+    summary["reported_model"] = reported_model(summary, summary["reported"])
+    path.write_text(json.dumps(summary))
+    return path
+
+
+def test_the_end_of_a_run_names_the_model_each_run_reports_with_the_dev_figures_that_chose_it(tmp_path):
+    summaries = {"base seed 1": average_summary(tmp_path / "a.json", 4.5, 4.75),
+                 "big seed 1": average_summary(tmp_path / "b.json", 5.5, 5.25),
+                 "big seed 2": average_summary(tmp_path / "c.json", 5.5, 5.25, choose="paper"),
+                 "tiny seed 1": tmp_path / "not-averaged-yet.json"}
+    out = io.StringIO()
+    assert print_reported_models(summaries, out) == 3
+    header, *lines = out.getvalue().splitlines()
+    assert "model each run reports" in header
+    assert lines == [
+        "  base seed 1: averaged, steps 20-30; dev perplexity 4.50, the last checkpoint's 4.75",
+        "  big seed 1: last checkpoint, step 30: the average (steps 20-30) was worse on dev by 0.25 perplexity "
+        "(5.50 against 5.25)",
+        "  big seed 2: averaged, steps 20-30 (worse on dev than the last checkpoint; average.choose: paper); "
+        "dev perplexity 5.50, the last checkpoint's 5.25"]
+
+
+def test_no_line_for_runs_not_averaged_yet():
+    out = io.StringIO()
+    assert print_reported_models({"base seed 1": "missing/average.json"}, out) == 0
+    assert out.getvalue() == ""
 
 
 def test_a_job_ends_when_the_process_that_started_it_is_killed(tmp_path):

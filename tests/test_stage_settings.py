@@ -252,7 +252,8 @@ def test_every_rule_hands_its_stage_the_resolved_config_and_no_section_as_json()
     from conftest import REPO
 
     common = (REPO / "workflow" / "rules" / "common.smk").read_text()
-    assert "read_config(merged=config" in common and "write_resolved(config, f\"{RESULTS}/config/resolved.yaml\")" in common
+    assert "read_config(merged=config" in common and "SETTINGS = f\"{RESULTS}/config/resolved.yaml\"" in common
+    assert "write_resolved(config, SETTINGS)" in common
     for rule in ("data", "bpe", "binarize", "train", "decode", "report"):
         text = (REPO / "workflow" / "rules" / f"{rule}.smk").read_text()
         assert "f\"--config {SETTINGS} \"" in text, rule  # formatted when parsed: a module's shell cannot see SETTINGS

@@ -56,13 +56,19 @@ def copy_workflow(workdir):
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
+def demo_result(tmp_path_factory):
+    """The whole DAG run once on the test's config: its folder, and what the terminal showed."""
     workdir = copy_workflow(tmp_path_factory.mktemp("workflow"))
     result = snakemake(workdir)
     if result.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in (workdir / "results").rglob("*.log"))
         pytest.fail(f"snakemake failed:\n{result.stderr[-4000:]}\n{logs}")
-    return workdir
+    return workdir, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_result):
+    return demo_result[0]
 
 
 def test_every_stage_writes_its_outputs(demo_run):
@@ -130,6 +136,46 @@ def test_decode_reads_the_model_the_average_stage_chose_on_dev_and_the_report_na
             assert table.loc[model, "reported_model"] == comparison["reported_model"]
     assert (results / "score" / "demo_nopos" / "seed1" / "test.json").exists()
     assert (demo_run / "results" / "demo" / "report" / "table3.md").read_text().startswith("# Table 3")
+
+
+def test_the_end_of_the_run_names_the_model_each_run_reports(demo_result):
+    """One line a run in the terminal, as the average stage chose it (its average.json), with the dev figures."""
+    workdir, terminal = demo_result
+    for model in ("demo_base", "demo_nopos"):
+        comparison = json.loads((workdir / "results" / "demo" / "average" / model / "seed1" / "average.json").read_text())
+        line = re.search(rf"^  {model} seed 1: (.*)$", terminal, re.M)
+        assert line and line.group(1).startswith(comparison["reported_model"]), terminal[-3000:]
+        assert f"{comparison['dev_ppl_last']:.2f}" in line.group(1)
+
+
+def test_the_jobs_read_the_resolved_config_written_before_the_first_job(demo_run):
+    import yaml
+
+    resolved = yaml.safe_load((demo_run / "results" / "demo" / "config" / "resolved.yaml").read_text())
+    assert resolved["models"] == ["demo_base", "demo_nopos"] and resolved["decode"]["beam_size"] == 2
+    assert resolved["average"]["choose"] == "dev"  # a key the config files leave out: the schema's default
+
+
+def files_under(folder) -> set[str]:
+    """Every file under ``folder`` but Snakemake's own state (.snakemake/, which it keeps for any command)."""
+    return {str(path.relative_to(folder)) for path in folder.rglob("*")
+            if path.is_file() and ".snakemake" not in path.relative_to(folder).parts}
+
+
+@pytest.mark.workflow
+def test_a_dry_run_writes_nothing_whether_its_plan_holds_or_fails(tmp_path):
+    workdir = copy_workflow(tmp_path)
+    before = files_under(workdir)
+    planned = snakemake(workdir, "-n")
+    assert planned.returncode == 0 and "This was a dry-run" in planned.stdout + planned.stderr, planned.stderr[-3000:]
+    missing = {"data": {"source": "local", "local": {split: {"src": f"raw/{split}.en", "tgt": f"raw/{split}.de"}
+                                                     for split in ("train", "dev", "test")}}}
+    (workdir / "missing.yaml").write_text(json.dumps(missing))
+    before.add("missing.yaml")
+    failed = snakemake(workdir, "-n", "--configfile", "config/config.yaml", "missing.yaml")
+    assert failed.returncode != 0 and "raw/train.en" in failed.stdout + failed.stderr, failed.stderr[-3000:]
+    assert files_under(workdir) == before
+    assert not (workdir / "results").exists()
 
 
 def test_mlflow_holds_one_finished_run_per_preset_with_bleu_and_translations(demo_run):

@@ -1,5 +1,7 @@
 """``aiayn compare``: the runs of an experiment, from MLflow alone, as one table.
 
+Each row's ``reported_model`` is the model its test BLEU comes from: the average of the last checkpoints,
+or the last checkpoint where the average was worse on dev (the average stage's tag, ``average.choose``).
 Works against any tracking store (the local sqlite file, or an ``mlflow server`` that a cluster
 shares), so runs from different machines and reruns can be compared side by side.
 """
@@ -7,6 +9,7 @@ shares), so runs from different machines and reruns can be compared side by side
 from __future__ import annotations
 
 import argparse
+import re
 import urllib.parse
 from pathlib import Path
 
@@ -18,7 +21,7 @@ COLUMNS = {
     "metrics.dev_ppl": "dev_ppl", "metrics.dev_bleu_tok": "dev_bleu_tok", "metrics.dev_sacrebleu": "dev_sacrebleu",
     "metrics.dev_length_ratio": "dev_length_ratio",
     "metrics.test_bleu_tok": "test_bleu_tok", "metrics.test_sacrebleu": "test_sacrebleu",
-    "metrics.test_length_ratio": "test_length_ratio",
+    "metrics.test_length_ratio": "test_length_ratio", "tags.reported_model": "reported_model",
     "metrics.train_hours": "train_hours", "metrics.train_flops": "train_flops", "status": "status",
     "start_time": "started", "run_id": "run_id",
 }
@@ -84,11 +87,18 @@ def compare_runs(experiment: str, tracking_uri: str | None = None, latest_only: 
         if column not in runs:
             runs[column] = None
     table = runs[list(COLUMNS)].rename(columns=COLUMNS)
+    table["reported_model"] = [model_only(text) for text in table["reported_model"]]
     table["steps"] = [_last_step(mlflow, run_id) for run_id in table["run_id"]]
     if latest_only:
         finished = table[table["status"] == "FINISHED"]
         table = finished.drop_duplicates(subset=["preset", "seed"], keep="first")
     return table.reset_index(drop=True)
+
+
+def model_only(reported_model) -> str | None:
+    """A run's ``reported_model`` tag without the dev figures that chose it, to keep the table narrow:
+    "averaged, steps 206-219" or "last checkpoint, step 219"; None for a run the average stage has not tagged."""
+    return re.split(r": | \(", reported_model, maxsplit=1)[0] if isinstance(reported_model, str) else None
 
 
 def _last_step(mlflow, run_id: str) -> int | None:

@@ -16,7 +16,8 @@ Every rule runs its stage as ``aiayn --log {log} --attempt {resources.attempt} <
   preemption. Under SLURM the parent is the scheduler's step, which owns the job.
 - At the end of a run the workflow prints, from the logs its jobs wrote, every ``error:`` and
   ``warning:`` paragraph (``print_job_messages``): once each, whatever the executor (a SLURM job's
-  output never reaches the terminal) and however many attempts a job had.
+  output never reaches the terminal) and however many attempts a job had; after a run that succeeded, which
+  model each run reports, from the average stage's summaries (``print_reported_models``).
 """
 
 from __future__ import annotations
@@ -282,3 +283,26 @@ def print_job_messages(folder: str | os.PathLike, before: dict[str, tuple[int, i
             shown += len(found)
     out.flush()
     return shown
+
+
+def print_reported_models(summaries: dict[str, str | os.PathLike], out: TextIO | None = None) -> int:
+    """For each run (name -> its average stage's ``average.json``, where it exists), one line: the model its
+    Table 2 row reports, which decode and export use too (the average of its last checkpoints, or its last
+    checkpoint), with the dev perplexities that chose it. Returns how many lines."""
+    lines = []
+    for run, path in summaries.items():
+        try:
+            summary = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if "reported_model" not in summary:  # written before the stage recorded its choice
+            continue
+        figures = "" if summary["reported"] == "last" else (  # the last checkpoint's line names both already
+            f"; dev perplexity {summary['dev_ppl_averaged']:.2f}, the last checkpoint's {summary['dev_ppl_last']:.2f}")
+        lines.append(f"  {run}: {summary['reported_model']}{figures}")
+    if lines:
+        out = out or sys.stdout
+        print("The model each run reports (Table 2, decode, export), as the average stage chose it on dev:", *lines,
+              sep="\n", file=out)
+        out.flush()
+    return len(lines)

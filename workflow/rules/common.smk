@@ -5,12 +5,13 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake_interface_executor_plugins.settings import ExecMode
 
 from aiayn import layout
 from aiayn.config import (ConfigOverrides, check_config_files, read_config, resolve_presets,
                           schema_default, to_json, write_resolved)
 from aiayn.errors import UserError
-from aiayn.joblog import print_job_messages, snapshot_logs
+from aiayn.joblog import print_job_messages, print_reported_models, snapshot_logs
 from aiayn.costs import CHECKPOINT_BYTES_PER_PARAMETER, parameters
 from aiayn.train.rendezvous import nodes_of
 
@@ -67,7 +68,14 @@ PRESETS = resolve_presets(config)
 # module's shell cannot see this workflow's names): the commands' text stays the same whatever the config
 # holds, so a setting that changes no output (RUNTIME_ONLY) changes neither a rule's code nor its params,
 # and its jobs rerun only for what their params hold.
-SETTINGS = write_resolved(config, f"{RESULTS}/config/resolved.yaml")
+SETTINGS = f"{RESULTS}/config/resolved.yaml"
+# Written (where its text changes) by the process that plans the jobs, before any job, on any executor: a
+# cluster job reads it on its node. Never in a dry run (-n writes nothing), nor in a job's own Snakemake
+# process, which parses this file again on its node. Not in onstart: Snakemake runs no onstart of a module
+# (README, "Use the workflow from your own repository") nor any under --no-hooks, where the jobs would read a
+# stale file.
+if not workflow.output_settings.dryrun and workflow.exec_mode == ExecMode.DEFAULT:
+    write_resolved(config, SETTINGS)
 # The logs as they were before any job ran: what changed was written by this run's jobs.
 LOGS_AT_START = snapshot_logs(f"{RESULTS}/logs")
 
@@ -171,6 +179,13 @@ def preflight():
     status = subprocess.run(command).returncode
     if status:
         sys.exit(status)
+
+
+def show_reported_models():
+    """At the end of a run that succeeded, one line a run: the model its Table 2 row reports (the average of its
+    last checkpoints, or its last checkpoint, and the dev figures that chose it), from its average.json."""
+    names = [f"{model} seed {seed}" for model, seed in runs()]
+    print_reported_models(dict(zip(names, for_every_run(rules.average.output.summary))))
 
 
 def show_report_folder():
