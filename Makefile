@@ -28,13 +28,13 @@ test: install
 paper-dry-run: install
 	$(BIN)/snakemake -n --cores $(CORES) --configfile config/wmt14_en_de.yaml
 
-# The wheels bench/gpu.sh installs on a GPU node whose Python lacks the workflow's packages and which has
+# The wheels bench/gpu/check.sh installs on a GPU node whose Python lacks the workflow's packages and which has
 # no internet (README, "GPU check"): at the lock's versions, into the git-ignored .whl/. GPU_PY=3.11 makes a set for this
 # machine's Python, to try the same install here.
 GPU_PY ?= 3.12
 WHEELS ?= .whl
 gpu-wheels: install
-	$(BIN)/python bench/gpu_wheels.py --python-version $(GPU_PY) --dest $(WHEELS)
+	$(BIN)/python -m bench.gpu.wheels --python-version $(GPU_PY) --dest $(WHEELS)
 
 # The demo's outputs and Snakemake's records, for a fresh `make demo`. The MLflow store is kept: every
 # experiment's runs share it (results/mlflow.db, its lock, and the artifacts in mlruns/), and a new demo

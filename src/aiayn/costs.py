@@ -31,7 +31,7 @@ EXTRA_CHECKPOINTS = 2
 BPE_BYTES_PER_PIECE = 32  # spm.model and spm.vocab: each piece with its score, in protobuf and as text
 
 # WMT-like sentence lengths in BPE tokens: log-normal with median 24 and sigma 0.6, the stand-in of
-# BENCHMARKS.md ("Step shapes on a GPU") and bench/train_gpu.py. Its mean is median * exp(sigma^2 / 2).
+# BENCHMARKS.md ("Step shapes on a GPU") and bench/train/shapes.py. Its mean is median * exp(sigma^2 / 2).
 TYPICAL_TOKENS = 24 * math.exp(0.6**2 / 2)
 
 
@@ -63,7 +63,7 @@ TEXT_BYTES_PER_PARQUET_BYTE = WMT14_DE_EN.text_bytes / WMT14_DE_EN.parquet_bytes
 DEMO_TEXT_BYTES_PER_PAIR = 5.1e6 / 32_000
 
 # Model FLOPs utilisation measured by the project, by GPU kind and precision, from BENCHMARKS.md's section
-# "GPU (`bench/gpu.sh`)" (its first row: warm eager steps of base and big, one GPU taking a whole step of
+# "GPU (`bench/gpu/check.sh`)" (its first row: warm eager steps of base and big, one GPU taking a whole step of
 # 25000 target tokens). Each entry: the preset measured and its utilisation.
 MEASURED_MFU = {("H200", "bf16"): {"base": 0.14, "big": 0.27}}
 MEASURED_TOKENS_PER_GPU = 25000  # the micro-batch those steps ran: one GPU took the whole step

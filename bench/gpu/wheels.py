@@ -1,15 +1,15 @@
-"""Download the wheels that bench/gpu.sh needs on a GPU node whose Python lacks them (`make gpu-wheels`).
+"""Download the wheels that bench/gpu/check.sh needs on a GPU node whose Python lacks them (`make gpu-wheels`).
 
 A GPU node's Python, a PyTorch container say, often has torch, pandas, sacrebleu, sentencepiece,
 matplotlib and the rest of IMAGE, but no snakemake, MLflow or sacremoses, and the node no network. This takes ROOTS, walks their requirements in this
 virtual environment (installed from requirements.lock, so every version is the lock's), keeps those the
 image lacks, and downloads each at the lock's version for the GPU's Python into a git-ignored folder
-(`.whl`) that bench/gpu.sh installs from on the node. Pure-Python packages published only as a source archive
+(`.whl`) that bench/gpu/check.sh installs from on the node. Pure-Python packages published only as a source archive
 are built into a wheel here. PuLP is left out: it serves only Snakemake's ILP scheduler (a 16 MB
-solver binary), and gpu.sh runs `--scheduler greedy`.
+solver binary), and check.sh runs `--scheduler greedy`.
 
-    .venv/bin/python bench/gpu_wheels.py --python-version 3.12 --dest .whl
-    .venv/bin/python bench/gpu_wheels.py --image    # what we use of the image: to mimic it in a fresh venv
+    .venv/bin/python -m bench.gpu.wheels --python-version 3.12 --dest .whl
+    .venv/bin/python -m bench.gpu.wheels --image    # what we use of the image: to mimic it in a fresh venv
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # What the pipeline imports beyond the image: the workflow engine, MLflow's sqlite store, Moses tokenisation.
 ROOTS = ["snakemake", "mlflow-skinny", "mlflow-tracing", "sqlalchemy", "alembic", "sacremoses"]
@@ -34,7 +34,7 @@ LEFT_OUT = {"pulp"}
 USED_FROM_IMAGE = ["torch", "sentencepiece", "sacrebleu", "pandas", "pyarrow", "matplotlib", "tqdm", "pyyaml",
                    "psutil"]
 
-# The Python packages of a PyTorch GPU container image (the one bench/gpu.sh was first run in, read 2026-11-17).
+# The Python packages of a PyTorch GPU container image (the one bench/gpu/check.sh was first run in, read 2026-11-17).
 IMAGE = set("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder

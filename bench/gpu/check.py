@@ -1,4 +1,4 @@
-"""The parts of bench/gpu.sh that need more than a command line.
+"""The parts of bench/gpu/check.sh that need more than a command line.
 
     matmul   the device's bf16 matrix-product ceiling (TFLOP/s)
     summary  what the demo DAG left: where each run trained and decoded, the MLflow runs in the sqlite
