@@ -34,7 +34,7 @@ paper-dry-run: install
 GPU_PY ?= 3.12
 WHEELS ?= .whl
 gpu-wheels: install
-	$(BIN)/python bench/gpu_wheels.py --python-version $(GPU_PY) --dest $(WHEELS)
+	$(BIN)/python -m bench.gpu.wheels --python-version $(GPU_PY) --dest $(WHEELS)
 
 # The demo's outputs and Snakemake's records, for a fresh `make demo`. The MLflow store is kept: every
 # experiment's runs share it (results/mlflow.db, its lock, and the artifacts in mlruns/), and a new demo

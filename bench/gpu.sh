@@ -14,8 +14,8 @@
 #             [167 s at 600 steps and 1000-sentence dev and test sets, now 500]
 #   3.  75 s  DDP: 8 steps in 1 process, then in 2 (torchrun) sharing the GPU; the same real tokens a step,
 #             every process exited, and how long after its final.json [20 steps: 26 s, then stopped at 29 s]
-#   4a. 45 s  training steps cold and warm (bench/train_gpu.py): base and big on the trainer's real batches,
-#             each train.attention choice on base, then bench/train_cpu.py's synthetic batches; MFU
+#   4a. 45 s  training steps cold and warm (bench.train.gpu): base and big on the trainer's real batches,
+#             each train.attention choice on base, then bench.train.cpu's synthetic batches; MFU
 #   5.  45 s  beam-search decoding speed, newstest2014-shaped (3003 sentences), beam 4, bf16 [39 s]
 #   6. 130 s  the Multi30k recipe end to end (config/multi30k.yaml, gpus: 1, bf16) through snakemake, its
 #             training stopped by a time budget (max_minutes) where it would not leave the rest of the
@@ -147,7 +147,7 @@ echo "gpu check: device $DEVICE, $("$PYTHON" -c 'import torch; print("torch", to
 [ "$DEVICE" = cuda ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; }
 echo "parts' time (s): 1: $T_MATMUL, 2: $T_DAG, 3: $T_DDP, 4a: $T_STEPS, 5: $T_DECODE, 6: $T_M30K, 4b: what is left; the run: $RUN_END"
 
-part 1 "bf16 matmul ceiling" $T_MATMUL t "$PYTHON" bench/gpu_check.py matmul --device "$DEVICE" "${MATMUL[@]}"
+part 1 "bf16 matmul ceiling" $T_MATMUL t "$PYTHON" -m bench.gpu.check matmul --device "$DEVICE" "${MATMUL[@]}"
 
 snake() {  # snake DIR ARGUMENTS...: snakemake in DIR; its progress lines here, its whole log in DIR/snakemake.log
   local dir=$1
@@ -162,22 +162,22 @@ dag() {  # the demo DAG, or TARGETS of it
   snake "$DAG" "$@" --configfile "${CONFIGS[@]}"
 }
 dag_and_report() {
-  dag && t "$PYTHON" bench/gpu_check.py summary --workdir "$DAG" --experiment gpu_check --expect-device "$DEVICE"
+  dag && t "$PYTHON" -m bench.gpu.check summary --workdir "$DAG" --experiment gpu_check --expect-device "$DEVICE"
 }
 part 2 "demo DAG on $DEVICE (snakemake, MLflow sqlite, average, decode, score, report)" $T_DAG dag_and_report
 
 ddp() {
   local bin=results/gpu_check/bin
   [ -f "$DAG/$bin/train/meta.json" ] || dag "$bin/train" || return
-  t "$PYTHON" bench/gpu_check.py ddp --workdir "$DAG" --configs "${CONFIGS[@]}" --preset gpu_base \
+  t "$PYTHON" -m bench.gpu.check ddp --workdir "$DAG" --configs "${CONFIGS[@]}" --preset gpu_base \
     --steps $DDP_STEPS --procs 2 --device "$DEVICE" --seconds $((PART_END - SECONDS - 12))
 }
 part 3 "DDP: 1 process, then 2 under torchrun sharing one $DEVICE" $T_DDP ddp
 
 part 4a "training steps, eager: cold and warm, real and synthetic batches, each train.attention" $T_STEPS \
-  t "$PYTHON" bench/train_gpu.py measure --device "$DEVICE" "${STEPS[@]}" --results "$STEPS_RESULTS"
+  t "$PYTHON" -m bench.train.gpu measure --device "$DEVICE" "${STEPS[@]}" --results "$STEPS_RESULTS"
 
-part 5 "beam-search decoding, newstest2014-shaped, beam 4" $T_DECODE t "$PYTHON" bench/decode_gpu.py --device "$DEVICE" "${DECODE[@]}"
+part 5 "beam-search decoding, newstest2014-shaped, beam 4" $T_DECODE t "$PYTHON" -m bench.decode.gpu --device "$DEVICE" "${DECODE[@]}"
 
 m30k() {
   local file
@@ -193,19 +193,19 @@ m30k() {
     "$(awk "BEGIN { printf \"%.2f\", $seconds / 60 }")" >"$M30K/config/m30k_check.yaml"
   echo "Multi30k from $MULTI30K; training stopped after $seconds s at the latest"
   snake "$M30K" --configfile "${M30K_CONFIGS[@]}" &&
-    t "$PYTHON" bench/gpu_check.py recipe --workdir "$M30K" --experiment multi30k --expect-device "$DEVICE"
+    t "$PYTHON" -m bench.gpu.check recipe --workdir "$M30K" --experiment multi30k --expect-device "$DEVICE"
 }
 part 6 "the Multi30k recipe end to end on $DEVICE (snakemake, config/multi30k.yaml)" $T_M30K m30k
 
 compiled_steps() {
-  t "$PYTHON" bench/train_gpu.py measure --device "$DEVICE" "${STEPS[@]}" --batches real --compile "${COMPILE[@]}" \
+  t "$PYTHON" -m bench.train.gpu measure --device "$DEVICE" "${STEPS[@]}" --batches real --compile "${COMPILE[@]}" \
     --seconds $((PART_END - SECONDS - 5)) --results "$STEPS_RESULTS"
 }
 part 4b "training steps, compiled: cold and warm, real batches (the time left)" $((RUN_END - SECONDS)) compiled_steps
 
 if [ -s "$STEPS_RESULTS" ]; then
   echo "== training steps (parts 4a and 4b): s a step; MFU of the sentences' own FLOPs; $STEPS_RESULTS"
-  timeout 30 "$PYTHON" bench/train_gpu.py table --results "$STEPS_RESULTS"
+  timeout 30 "$PYTHON" -m bench.train.gpu table --results "$STEPS_RESULTS"
 fi
 echo "== gpu check done in $SECONDS s: ${#failed[@]} part(s) failed"
 for failure in "${failed[@]}"; do echo "   $failure"; done

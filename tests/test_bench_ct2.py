@@ -1,17 +1,12 @@
-"""bench/decode_ct2.py runs end to end on a tiny model and prints a line per engine and setting."""
+"""bench.decode.ct2 runs end to end on a tiny model and prints a line per engine and setting."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from conftest import REPO
+from bench.decode import ct2 as decode_ct2
 from test_decode import WORDS, save_model_file, spm_model, text_model  # noqa: F401 (fixtures)
 from test_export import need
-
-sys.path.insert(0, str(REPO / "bench"))
-import decode_ct2  # noqa: E402
 
 
 def test_long_sentences_join_consecutive_sentences_and_their_references_alike():

@@ -1,15 +1,12 @@
-"""bench/data_cpu.py at a tiny size: the generator's word types follow its lexicons, and a run of
+"""bench.data.cpu at a tiny size: the generator's word types follow its lexicons, and a run of
 chosen stages measures them and records the sample's word types."""
 
 from __future__ import annotations
 
 import json
-import sys
 
+from bench.data import cpu as data_cpu
 from conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import data_cpu  # noqa: E402
 
 
 def test_bigger_lexicons_give_more_word_types(tmp_path):

@@ -1,11 +1,10 @@
-"""bench/fairseq_m30k.py without fairseq: its preset is fairseq's model and schedule as our config
+"""bench.train.fairseq_m30k without fairseq: its preset is fairseq's model and schedule as our config
 validates them, and it reads fairseq's log as fairseq writes it."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import yaml
@@ -14,9 +13,7 @@ from conftest import REPO
 from aiayn.config import load_config, model_fields, resolve_preset
 from aiayn.model import ModelConfig
 from aiayn.train.schedule import learning_rate
-
-sys.path.insert(0, str(REPO / "bench"))
-import fairseq_m30k  # noqa: E402
+from bench.train import fairseq_m30k
 
 
 @pytest.fixture

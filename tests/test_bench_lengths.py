@@ -1,22 +1,18 @@
-"""bench/lengths.py's two pieces of arithmetic: a sequence's teacher-forced log-probability, and why a
+"""bench.decode.lengths's two pieces of arithmetic: a sequence's teacher-forced log-probability, and why a
 short output beat its reference."""
 
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO
 
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import length_penalty
 from aiayn.tokens import BOS_ID, EOS_ID
-
-sys.path.insert(0, str(REPO / "bench"))
-import lengths  # noqa: E402
+from bench.decode import lengths
 
 
 def test_sequence_log_probs_sum_each_tokens_log_probability_including_eos_whatever_the_batching():

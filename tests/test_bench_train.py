@@ -1,17 +1,12 @@
-"""bench/train_cpu.py's timing schedule: which steps run, and which are timed."""
+"""bench.train.cpu's timing schedule: which steps run, and which are timed."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from conftest import REPO
 
 from aiayn.model import ModelConfig
-
-sys.path.insert(0, str(REPO / "bench"))
-import train_cpu  # noqa: E402
+from bench.train import cpu as train_cpu
 
 CONFIG = ModelConfig(vocab_size=50, n_layers=1, d_model=8, d_ff=16, n_heads=2)
 

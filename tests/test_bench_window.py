@@ -1,13 +1,8 @@
-"""bench/window_span.py's choice of checkpoints: which kept steps each share of a run averages."""
+"""bench.average.window_span's choice of checkpoints: which kept steps each share of a run averages."""
 
 from __future__ import annotations
 
-import sys
-
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import window_span  # noqa: E402
+from bench.average import window_span
 
 
 def test_each_share_takes_the_kept_steps_nearest_its_evenly_spaced_targets_once_each():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 
 import pytest
 import torch
@@ -19,13 +18,9 @@ from aiayn.search import SearchConfig, beam_search, greedy_search, length_penalt
 from aiayn.search_contract import PLAIN_STEPS, SearchCache, SearchSteps
 from aiayn.speed import search_steps
 from aiayn.speed.decoder_cache import DecoderCache
-from aiayn.speed.incremental import InferenceModel
+from aiayn.speed.incremental import InferenceModel, RowCounting
 from aiayn.speed.search_steps import FAST_STEPS, stable_slots, surviving_order, top_k
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-from decode_ct2 import RowCounting  # noqa: E402  the benchmark's counter of decoder steps and rows
 
 VOCAB = 24
 

@@ -31,7 +31,7 @@ EXTRA_CHECKPOINTS = 2
 BPE_BYTES_PER_PIECE = 32  # spm.model and spm.vocab: each piece with its score, in protobuf and as text
 
 # WMT-like sentence lengths in BPE tokens: log-normal with median 24 and sigma 0.6, the stand-in of
-# BENCHMARKS.md ("Step shapes on a GPU") and bench/train_gpu.py. Its mean is median * exp(sigma^2 / 2).
+# BENCHMARKS.md ("Step shapes on a GPU") and bench/train/shapes.py. Its mean is median * exp(sigma^2 / 2).
 TYPICAL_TOKENS = 24 * math.exp(0.6**2 / 2)
 
 

@@ -10,7 +10,7 @@ current step on), and only from the warmup's end on; the projection is never abo
 
 The interval (``project``): the projections of the fits that leave out one point each (a jackknife) give a
 spread in log perplexity; the interval is the projection times ``exp(+-(INTERVAL_Z * spread + INTERVAL_FLOOR))``.
-The two constants were calibrated on this project's runs (``bench/projection.py``, BENCHMARKS.md): every
+The two constants were calibrated on this project's runs (``bench/train/projection.py``, BENCHMARKS.md): every
 projection the demo's runs make after warmup, and a recorded Multi30k run's, holds the measured end.
 """
 
@@ -82,7 +82,7 @@ def _at(fit: tuple[float, float, float], x: float) -> float:
 def project(history: Sequence[dict], final_step: int, warmup_steps: int) -> Projection | None:
     """The dev perplexity at ``final_step`` projected from ``history`` (dev evaluations: ``step``, ``dev_ppl``),
     or None with fewer than ``MIN_POINTS`` finite points or before the warmup's end: while the learning rate still
-    rises, the curve has not shown its course (bench/projection.py measures what a fit there misses by)."""
+    rises, the curve has not shown its course (bench/train/projection.py measures what a fit there misses by)."""
     import numpy as np
 
     points = sorted((int(entry["step"]), float(entry["dev_ppl"])) for entry in history

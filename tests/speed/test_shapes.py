@@ -138,16 +138,3 @@ def test_settings_without_the_new_keys_take_the_schemas_defaults():
     assert replace(old, shape_buckets=True).batch_rule() != old.batch_rule()
     assert math.isfinite(old.lr_scale)
 
-
-def test_the_shapes_benchmark_prints_both_ways_for_log_normal_lengths(capsys):
-    import sys
-
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "bench"))
-    import shapes as bench_shapes
-
-    assert bench_shapes.main(["--lognormal", "26", "0.5", "3003"]) == 0
-    out = capsys.readouterr().out
-    assert "shape_buckets false: 4 steps, 15 distinct micro-batch shapes" in out
-    assert "shape_buckets true : 5 steps, 13 distinct micro-batch shapes" in out

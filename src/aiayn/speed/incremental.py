@@ -161,6 +161,19 @@ class InferenceModel:
         return cache.project(x[:, 0])
 
 
+class RowCounting(InferenceModel):
+    """An InferenceModel that counts the decoder steps it runs and the rows (sentences x beams) they
+    decode: the work a stopping rule saves, for the tests of the search and bench.decode.ct2."""
+
+    steps = 0
+    rows = 0
+
+    def decode_step(self, tokens: Tensor, position: int, cache: DecoderCache) -> Tensor:
+        self.steps += 1
+        self.rows += tokens.shape[0]
+        return super().decode_step(tokens, position, cache)
+
+
 class InferenceEncoderLayer:
     """An encoder layer's sub-layers as inference computes them, under the names of the model's layer,
     for the model's own ``EncoderLayer.forward``: no dropout, the linear maps packed."""

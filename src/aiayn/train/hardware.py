@@ -126,7 +126,7 @@ def autocast_context(device: torch.device, precision: str, attention: str = "aut
     torch's CPU flash-attention kernel is several times slower in bf16 than in fp32 (its backward above
     all), which would cost a training step more than bf16 matrix products win (BENCHMARKS.md). The
     trainer's own model attends in bf16 there without SDPA (aiayn.speed.cpu_attention); this serves any
-    other model (bench/train_cpu.py's peer). On CUDA, SDPA's kernels are train.attention's
+    other model (bench/train/cpu.py's peer). On CUDA, SDPA's kernels are train.attention's
     (``attention_kernels``)."""
     kernels = attention_kernels(attention, device)
     dtype = AUTOCAST_DTYPES.get(resolved_precision(precision, device))

@@ -1,9 +1,8 @@
 """Training steps cold and warm, on the trainer's own batches: bench/gpu.sh's part 4, the speed of a step on a GPU.
 
 A step on shapes the process has not run before (cold) pays for them once: cuDNN's attention plans, the
-matrix kernels' choice, a compile's graphs; the same step again (warm) does not. On 2026-12-04 an H200 took
-0.43-0.52 s for a cold base step and 64-74 ms for a warm one (BENCHMARKS.md, "GPU"). For each variant, in
-one process and model:
+matrix kernels' choice, a compile's graphs; the same step again (warm) does not (BENCHMARKS.md, "GPU", has
+the figures). For each variant, in one process and model:
 
     first  the variant's first step (the process's one-off set-up; under --compile, the compile)
     cold   --cold steps, each on micro-batch shapes that no earlier step of this process had (median)
@@ -12,18 +11,18 @@ one process and model:
 Batches: ``real`` are the trainer's: aiayn.batching.step_batches and split_step over WMT-like lengths
 (log-normal, median 24 tokens, sigma 0.6, targets within about 20% of their sources), cut on lengths
 bucketed as train.shape_buckets does on CUDA (aiayn.speed.shapes.bucketed_lengths), collated and grown to
-the step's shape as aiayn.train.steps grows them; the ids are random. ``synthetic`` are bench/train_cpu.py's
+the step's shape as aiayn.train.steps grows them; the ids are random. ``synthetic`` are bench.train.cpu's
 (one micro-batch a step, lengths 10-60, as the 2026-12-04 figures were measured). The objective is the
 trainer's (TrainingObjective, its loss chunk), under its autocast and train.attention's SDPA kernels.
 
 Variants: each preset's eager step (train.attention auto) on each kind of batches, and on the first
 preset's real batches each other --attention choice. With --compile, each preset's compiled step instead,
-each in a child process stopped when --seconds are spent (compiling base took over 105 s on 2026-12-04).
+each in a child process stopped when --seconds are spent (a compile of base can outlast a short run).
 Each variant's figures are one JSON line appended to --results; ``table`` prints them as one table.
 
-    PYTHONPATH=src python bench/train_gpu.py measure --presets base big --results steps.jsonl
-    PYTHONPATH=src python bench/train_gpu.py measure --presets base big --compile --seconds 150 --results steps.jsonl
-    PYTHONPATH=src python bench/train_gpu.py table --results steps.jsonl
+    PYTHONPATH=src python -m bench.train.gpu measure --presets base big --results steps.jsonl
+    PYTHONPATH=src python -m bench.train.gpu measure --presets base big --compile --seconds 150 --results steps.jsonl
+    PYTHONPATH=src python -m bench.train.gpu table --results steps.jsonl
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import json
 import math
 import os
@@ -47,37 +45,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-# bench/ is this script's folder
-from train_cpu import PRESETS, matmul_rate, seconds_of, sentence_flops, synthetic_batches
-
-from aiayn.batching import Batch, collate, padded_to_multiple, split_step, step_batches
+from aiayn.batching import Batch, padded_to_multiple
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
-from aiayn.tokens import EOS_ID, PAD_ID
-from aiayn.train.hardware import COMPILE_MULTIPLE, adam, autocast_context, compiled, model_for_training, peak_flops
+from aiayn.tokens import PAD_ID
+from aiayn.train.hardware import (COMPILE_MULTIPLE, adam, attention_kernels, autocast_context, compiled,
+                                  loss_chunk_tokens, model_for_training, peak_flops)
 from aiayn.train.schedule import forward_flops
+from bench.train.cpu import PRESETS, matmul_rate, seconds_of, sentence_flops, synthetic_batches
+from bench.train.shapes import lognormal_lengths, step_source
 
 PAPER_STEPS = {"base": 100000, "big": 300000}  # the paper's runs, for the projected hours
-
-
-def later(module: str, name: str):
-    """``module.name``, or None where this version of aiayn lacks it: issue 45's trainer brings
-    aiayn.speed.shapes.bucketed_lengths, aiayn.train.hardware.attention_kernels and loss_chunk_tokens, and
-    aiayn.batching.padded_to_shape; without them the batches are cut on exact lengths, the attention
-    choices are not timed and the loss keeps its default chunk."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
-def wmt_like_lengths(pairs: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """BPE lengths shaped like WMT'14 EN-DE's pairs (tests/speed/test_shapes.py's): log-normal sources
-    (median 24, sigma 0.6), targets within about 20% of them, cut to binarize's 250."""
-    rng = np.random.default_rng(seed)
-    src = np.clip(np.round(24 * np.exp(0.6 * rng.standard_normal(pairs))), 1, 250).astype(np.int64)
-    tgt = np.clip(np.round(src * np.exp(0.2 * rng.standard_normal(pairs))), 1, 250).astype(np.int64)
-    return src, tgt
 
 
 class RandomPairs:
@@ -92,52 +70,33 @@ class RandomPairs:
         self.tgt_ids = rng.integers(4, vocab, int(self.tgt_offsets[-1]), dtype=np.int32)
 
 
-def grown(batch: Batch, rows: int, src_len: int, tgt_len: int) -> Batch:
-    """The batch grown to (rows, src_len) and (rows, tgt_len): aiayn.batching.padded_to_shape where this
-    version has it, else the same here (added rows: a source of one eos, a target of pads)."""
-    trainers = later("aiayn.batching", "padded_to_shape")
-    if trainers is not None:
-        return trainers(batch, rows, src_len, tgt_len)
-
-    def pad(ids: torch.Tensor, length: int) -> torch.Tensor:
-        out = ids.new_full((rows, length), PAD_ID)
-        out[:ids.shape[0], :ids.shape[1]] = ids
-        return out
-
-    src = pad(batch.src, src_len)
-    src[batch.src.shape[0]:, 0] = EOS_ID
-    return Batch(src, pad(batch.tgt_in, tgt_len), pad(batch.tgt_out, tgt_len), batch.src_tokens, batch.tgt_tokens)
-
-
 @dataclass
 class Step:
     shapes: tuple                     # (rows, src_len, tgt_len) of each micro-batch, as computed
     make: Callable[[], list[Batch]]   # its micro-batches, collated on the host
 
 
-def trainer_steps(args, compile_multiple: int | None) -> tuple[list[Step], str]:
-    """One epoch's steps of WMT-like pairs as the trainer cuts and pads them (see the module's docstring)."""
-    src, tgt = wmt_like_lengths(args.pairs, args.seed)
-    bucketed = later("aiayn.speed.shapes", "bucketed_lengths") if args.shape_buckets == "on" else None
-    cut = (bucketed(src), bucketed(tgt)) if bucketed is not None else (src, tgt)
-    pairs = RandomPairs(src, tgt, args.vocab, args.seed)
+def trainer_steps(args, compile: bool) -> tuple[list[Step], str]:
+    """One epoch's steps of WMT-like pairs as the trainer cuts and pads them (aiayn.train.steps.StepSource;
+    see the module's docstring)."""
+    src, tgt = lognormal_lengths(24, 0.6, args.pairs, args.seed)  # WMT'14 EN-DE-shaped
+    bucketed = args.shape_buckets == "on"
+    source = step_source(RandomPairs(src, tgt, args.vocab, args.seed), bucketed, args.tokens, args.device_tokens,
+                         gpus=1, seed=args.seed, compile=compile)
 
-    def up(size: int) -> int:
-        return -(-size // compile_multiple) * compile_multiple if compile_multiple else size
+    def up(size: int) -> int:  # as padded_to_multiple grows a batch under train.compile
+        return -(-size // COMPILE_MULTIPLE) * COMPILE_MULTIPLE if compile else size
 
-    def make(micro, shapes):
-        return [grown(collate(pairs, part), *shape) for part, shape in zip(micro, shapes)]
+    def make(micro, shape):
+        return [source.batch(part, shape, index) for index, part in enumerate(micro)]
 
     steps = []
-    for rows in step_batches(*cut, args.tokens, args.seed):
-        micro = split_step(*cut, rows, args.device_tokens, 1)
-        most = max(len(part) for part in micro)  # with buckets every micro-batch has the step's most rows
-        shapes = tuple((up(most if bucketed is not None else len(part)), up(int(cut[0][part].max()) + 1),
-                        up(int(cut[1][part].max()) + 1)) for part in micro)
-        steps.append(Step(shapes, functools.partial(make, micro, shapes)))
+    for rows in source.steps_of(0):
+        micro, shape = source.micro_batches(rows)
+        shapes = tuple(tuple(up(size) for size in micro_shape) for micro_shape in shape.shapes)
+        steps.append(Step(shapes, functools.partial(make, micro, shape)))
     epoch_shapes = len({shape for step in steps for shape in step.shapes})
-    missing = " (aiayn.speed.shapes is not in this version)" if args.shape_buckets == "on" else ""
-    how = "cut on bucketed lengths (train.shape_buckets)" if bucketed is not None else f"cut on exact lengths{missing}"
+    how = "cut on bucketed lengths (train.shape_buckets)" if bucketed else "cut on exact lengths"
     return steps, (f"{args.pairs} pairs of log-normal lengths (median 24, sigma 0.6), {how}: {len(steps)} steps, "
                    f"{epoch_shapes} distinct micro-batch shapes in the epoch")
 
@@ -167,8 +126,7 @@ def take(steps: list[Step], count: int, seen: set) -> list[Step]:
 def attention_context(name: str, device: torch.device):
     """train.attention's SDPA kernels (aiayn.train.hardware.attention_kernels) on CUDA; the trainer's CPU
     path attends without SDPA, so nothing there."""
-    kernels = later("aiayn.train.hardware", "attention_kernels")
-    return kernels(name) if kernels is not None and device.type == "cuda" else contextlib.nullcontext()
+    return attention_kernels(name) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def measure(args, preset: str, kind: str, pool: list[Step], seen: set, attention: str, backend: str | None) -> dict:
@@ -177,8 +135,7 @@ def measure(args, preset: str, kind: str, pool: list[Step], seen: set, attention
     config = ModelConfig(vocab_size=args.vocab, n_layers=layers, d_model=d_model, d_ff=d_ff, n_heads=heads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    chunk_rule = later("aiayn.train.hardware", "loss_chunk_tokens")  # the trainer's loss chunk on this device
-    chunk = chunk_rule(device, args.vocab, 2 * args.device_tokens) if chunk_rule is not None else None
+    chunk = loss_chunk_tokens(device, args.vocab, 2 * args.device_tokens)  # the trainer's loss chunk on this device
     objective = TrainingObjective(model_for_training(config, device), 0.1, chunk)
     if backend:  # as the trainer compiles (aiayn.train.hardware.compiled)
         objective.forward = compiled(objective.forward, backend)
@@ -259,16 +216,12 @@ def eager(args) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     pools, seen = {}, set()
     if "real" in args.batches:
-        pools["real"], note = trainer_steps(args, None)
+        pools["real"], note = trainer_steps(args, compile=False)
         print(f"# {name}, torch {torch.__version__}, {args.precision}; vocab {args.vocab}, {args.tokens} target tokens "
               f"a step, micro-batches of at most {args.device_tokens}; real batches: {note}", flush=True)
     if "synthetic" in args.batches:
         pools["synthetic"] = synthetic_steps(args, None)
     attention = list(args.attention)
-    if any(choice != "auto" for choice in attention) and later("aiayn.train.hardware", "attention_kernels") is None:
-        print("train.attention: aiayn.train.hardware.attention_kernels is not in this version of aiayn: "
-              "the attention choices are not timed, only auto", flush=True)
-        attention = ["auto"]
     variants = []
     for kind in args.batches:
         variants += [(preset, kind, "auto") for preset in args.presets]
@@ -291,7 +244,7 @@ def compiled_children(args, argv: list[str]) -> int:
                   f"is given (compiling base took over 105 s on 2026-12-04)", flush=True)
             append(args.results, {"preset": preset, "step": label.split(" ", 1)[1], "skipped_s": max(left, 0)})
             continue
-        child = subprocess.Popen([sys.executable, __file__, *argv, "--presets", preset, "--child"],
+        child = subprocess.Popen([sys.executable, "-m", __spec__.name, *argv, "--presets", preset, "--child"],
                                  start_new_session=True)
         try:
             child.wait(timeout=left)
@@ -312,7 +265,7 @@ def compiled_children(args, argv: list[str]) -> int:
 
 def compiled_child(args) -> int:
     if args.batches[0] == "real":
-        pool = trainer_steps(args, COMPILE_MULTIPLE)[0]
+        pool = trainer_steps(args, compile=True)[0]
     else:
         pool = synthetic_steps(args, COMPILE_MULTIPLE)
     append(args.results, measure(args, args.presets[0], args.batches[0], pool, set(), "auto", args.compile_backend))

@@ -16,8 +16,8 @@ published anchor: CTranslate2 decodes about 6.6k target tokens/s in float32 on a
 first counts the host synchronisations of one search with torch's sync debug mode: the search reads
 the device once per step, and a few times per search outside its loop.
 
-    PYTHONPATH=src python bench/decode_gpu.py                   # on the GPU
-    PYTHONPATH=src python bench/decode_gpu.py --device cpu --sentences 40 --layers 2   # a smoke run
+    PYTHONPATH=src python -m bench.decode.gpu                   # on the GPU
+    PYTHONPATH=src python -m bench.decode.gpu --device cpu --sentences 40 --layers 2   # a smoke run
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import warnings
 
 import torch
 
-from decode_cpu import NeverEnding  # bench/ is this script's folder; torch-only at import
-
 from aiayn.batching import length_sorted_batches
 from aiayn.decode import resolve_tokens_per_batch
 from aiayn.model import ModelConfig, Transformer
 from aiayn.search import SearchConfig, beam_search, paper_search
 from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
+from bench.decode.cpu import NeverEnding  # torch and aiayn only at import: transformers is imported in its main
 
 
 def source_lengths(args: argparse.Namespace) -> list[int]:

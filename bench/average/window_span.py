@@ -1,12 +1,12 @@
 """How wide the averaging window of one finished run should be: test BLEU of the average of ``--count``
 checkpoints spread evenly over the last share of the run, for several shares, beside its last checkpoint.
 
-The run must have kept more checkpoints than its window (``bench/window_span.sh`` keeps every one it
+The run must have kept more checkpoints than its window (``bench/average/window_span.sh`` keeps every one it
 writes); each average takes, for each of its ``--count`` evenly spaced target steps, the nearest kept
 checkpoint not taken yet. One training run, so the shares differ by the window alone. From the repository
 root, after the DAG:
 
-    python bench/window_span.py --kept KEPT_DIR --results results/multi30k_30min --model m30k_30min \\
+    python -m bench.average.window_span --kept KEPT_DIR --results results/multi30k_30min --model m30k_30min \\
         --config config/multi30k.yaml config/multi30k_30min.yaml
 """
 

@@ -2,7 +2,7 @@
 (and at every dev evaluation after warmup, as the trainer does), against the measured final dev perplexity
 (aiayn.projection).
 
-    python bench/projection.py --warmup-steps 200 results/demo/train/*/seed*/final.json
+    python -m bench.train.projection --warmup-steps 200 results/demo/train/*/seed*/final.json
 
 Prints one row per run (projected, interval, measured, error, covered) and the summaries.
 """
@@ -66,6 +66,7 @@ def main(argv=None) -> int:
         if row["projection"] is not None and not row["covered"]:
             print("  missed:", show(row))
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -23,7 +23,7 @@ transformers is not a dependency of the project; run this from a scratch environ
 
     python3 -m venv /tmp/benchvenv
     /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 sentencepiece==0.2.3 numpy tqdm
-    /tmp/benchvenv/bin/python bench/decode_cpu.py
+    PYTHONPATH=src /tmp/benchvenv/bin/python -m bench.decode.cpu
 """
 
 from __future__ import annotations
@@ -32,18 +32,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from aiayn.batching import length_sorted_batches  # noqa: E402
-from aiayn.decode import search_batches  # noqa: E402
-from aiayn.model import ModelConfig, Transformer  # noqa: E402
-from aiayn.search import SearchConfig, paper_search  # noqa: E402
-from aiayn.speed.incremental import InferenceModel  # noqa: E402
-from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from aiayn.batching import length_sorted_batches
+from aiayn.decode import search_batches
+from aiayn.model import ModelConfig, Transformer
+from aiayn.search import SearchConfig, paper_search
+from aiayn.speed.incremental import InferenceModel
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 MISSING_TRANSFORMERS = 3
 
@@ -119,7 +116,7 @@ def main(argv=None) -> int:
             "transformers is not installed here (it is not a dependency of aiayn). Run the benchmark from a "
             "scratch environment:\n  python3 -m venv /tmp/benchvenv\n  /tmp/benchvenv/bin/pip install "
             "torch==2.13.0 transformers==5.23.0 sentencepiece==0.2.3 numpy tqdm\n"
-            "  /tmp/benchvenv/bin/python bench/decode_cpu.py",
+            "  PYTHONPATH=src /tmp/benchvenv/bin/python -m bench.decode.cpu",
             file=sys.stderr,
         )
         return MISSING_TRANSFORMERS

@@ -5,9 +5,9 @@ lengths (``--split``, as the DAG writes it) or from log-normal lengths (``--logn
 sources with that median and spread in BPE tokens, targets within about 20% of them, cut to 250). Prints,
 for each: steps, distinct shapes, and padded over real tokens (computed positions per non-pad token).
 
-    PYTHONPATH=src python bench/shapes.py --split results/multi30k/bin/train --tokens-per-step 4000 --gpus 0
-    PYTHONPATH=src python bench/shapes.py --lognormal 26 0.5 3003             # newstest2014-shaped
-    PYTHONPATH=src python bench/shapes.py --lognormal 24 0.6 4500000 --gpus 8  # WMT'14 EN-DE-sized
+    PYTHONPATH=src python -m bench.train.shapes --split results/multi30k/bin/train --tokens-per-step 4000 --gpus 0
+    PYTHONPATH=src python -m bench.train.shapes --lognormal 26 0.5 3003             # newstest2014-shaped
+    PYTHONPATH=src python -m bench.train.shapes --lognormal 24 0.6 4500000 --gpus 8  # WMT'14 EN-DE-sized
 """
 
 from __future__ import annotations
@@ -22,21 +22,30 @@ from aiayn.train.steps import Progress, StepSource, TrainSettings
 
 
 def lognormal_lengths(median: float, sigma: float, pairs: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """BPE lengths of ``pairs`` pairs: log-normal sources (``median``, ``sigma``), targets within about 20% of
+    them, cut to binarize's 250 (median 24, sigma 0.6: WMT'14 EN-DE's training pairs)."""
     rng = np.random.default_rng(seed)
     src = np.clip(np.round(median * np.exp(sigma * rng.standard_normal(pairs))), 1, 250).astype(np.int64)
     tgt = np.clip(np.round(src * np.exp(0.2 * rng.standard_normal(pairs))), 1, 250).astype(np.int64)
     return src, tgt
 
 
-def epoch(src: np.ndarray, tgt: np.ndarray, buckets: bool, tokens_per_step: int, device_tokens: int,
-          gpus: int) -> dict:
-    """One epoch's steps as the trainer draws them: their count, distinct micro-batch shapes, padding."""
+def step_source(split, buckets: bool, tokens_per_step: int, device_tokens: int, gpus: int, seed: int = 1,
+                compile: bool = False) -> StepSource:
+    """The trainer's steps (aiayn.train.steps.StepSource) over a split's lengths, with these train settings
+    and the train section's defaults for the rest."""
     preset = {"steps": 1, "warmup_steps": 1, "lr_scale": 1.0, "label_smoothing": 0.1, "keep_checkpoints": 1,
               "average_last": 1, "checkpoint_steps": 1, "checkpoint_minutes": None, "gpus": gpus}
     train = {**section_defaults("train"), "tokens_per_step": tokens_per_step, "device_tokens": device_tokens,
-             "shape_buckets": buckets}
-    source = StepSource(SimpleNamespace(src_lengths=src, tgt_lengths=tgt),
-                        TrainSettings.from_config(preset, train, seed=1))
+             "shape_buckets": buckets, "compile": compile}
+    return StepSource(split, TrainSettings.from_config(preset, train, seed=seed))
+
+
+def epoch(src: np.ndarray, tgt: np.ndarray, buckets: bool, tokens_per_step: int, device_tokens: int,
+          gpus: int) -> dict:
+    """One epoch's steps as the trainer draws them: their count, distinct micro-batch shapes, padding."""
+    source = step_source(SimpleNamespace(src_lengths=src, tgt_lengths=tgt), buckets, tokens_per_step, device_tokens,
+                         gpus)
     progress, shapes, real, padded = Progress(), set(), 0, 0
     for _ in source.steps_of(0):
         _, shape = source.next(progress)

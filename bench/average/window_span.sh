@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The run behind bench/window_span.py: the DAG with a safety checkpoint every minute, every checkpoint the
+# The run behind bench/average/window_span.py: the DAG with a safety checkpoint every minute, every checkpoint the
 # run writes kept (hard links, polled), then test BLEU of averages over several shares of the run. From the
 # repository root, nothing else running (a time-budgeted run trains as far as the machine lets it):
-#   bench/window_span.sh m30k_30min config/multi30k.yaml config/multi30k_30min.yaml
+#   bench/average/window_span.sh m30k_30min config/multi30k.yaml config/multi30k_30min.yaml
 set -euo pipefail
 model=$1
 shift
@@ -22,4 +22,4 @@ checkpoints=$results/train/$model/seed1/checkpoints
 keeper=$!
 trap 'kill $keeper 2>/dev/null; rm -f "$extra"' EXIT
 snakemake --cores all --configfile "$@" "$extra"
-python bench/window_span.py --kept "$kept" --results "$results" --model "$model" --config "$@" "$extra"
+python -m bench.average.window_span --kept "$kept" --results "$results" --model "$model" --config "$@" "$extra"

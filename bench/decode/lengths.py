@@ -14,7 +14,7 @@ shorter than their reference:
   it. For these the alpha at which the reference's objective would catch up is printed: near 1 the
   penalty is the lever, far above it the model itself is short.
 
-    python bench/lengths.py --model results/multi30k/train/m30k_base/seed1/checkpoints/step_1000.pt \\
+    python -m bench.decode.lengths --model results/multi30k/train/m30k_base/seed1/checkpoints/step_1000.pt \\
         --spm-model results/multi30k/bpe/spm.model --src results/multi30k/data/dev.en \\
         --ref results/multi30k/data/dev.de
 """
@@ -25,23 +25,19 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from aiayn.bpe import load_processor  # noqa: E402
-from aiayn.checkpoint import load_model  # noqa: E402
-from aiayn.decode import _pad, hypothesis_text, translate  # noqa: E402
-from aiayn.score import score  # noqa: E402
-from aiayn.search import SearchConfig, length_penalty  # noqa: E402
-from aiayn.speed.incremental import InferenceModel  # noqa: E402
-from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from aiayn.bpe import load_processor
+from aiayn.checkpoint import load_model
+from aiayn.decode import _pad, hypothesis_text, translate
+from aiayn.score import score
+from aiayn.search import SearchConfig, length_penalty
+from aiayn.speed.incremental import InferenceModel
+from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 @torch.no_grad()
@@ -145,4 +141,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -7,8 +7,8 @@ its wall time and peak resident memory. Then once more with the files in the pag
 the disk out. The time per checkpoint and per GB read scales to the preset's ``average_last``; the peak
 memory does not grow with the count (one checkpoint is held at a time). docs/cluster.md has the results.
 
-    PYTHONPATH=src .venv/bin/python bench/average_cpu.py --preset big --checkpoints 3
-    PYTHONPATH=src .venv/bin/python bench/average_cpu.py --preset base --checkpoints 5
+    PYTHONPATH=src .venv/bin/python -m bench.average.cpu --preset big --checkpoints 3
+    PYTHONPATH=src .venv/bin/python -m bench.average.cpu --preset base --checkpoints 5
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def write_checkpoints(preset: str, count: int, folder: Path) -> tuple[int, list[Path]]:
@@ -54,14 +51,16 @@ def write_checkpoints(preset: str, count: int, folder: Path) -> tuple[int, list[
 
 
 def dev_split(folder: Path, pairs: int) -> Path:
-    """A binarized dev split of ``pairs`` generated sentence pairs (its ids fit any vocabulary)."""
-    from conftest import write_text_corpus
-
+    """A binarized dev split of ``pairs`` demo sentence pairs (its ids fit any vocabulary)."""
     from aiayn.binarize import binarize_split
     from aiayn.bpe import learn_bpe
+    from aiayn.demo.corpus import generate_corpus
+    from aiayn.writing import write_lines_atomic
 
     raw = folder / "raw"
-    write_text_corpus(raw, (("train", 400), ("dev", pairs), ("test", 10)))
+    for split, split_pairs in generate_corpus(1, {"train": 400, "dev": pairs}).items():
+        write_lines_atomic(raw / f"{split}.en", [en for en, _ in split_pairs])
+        write_lines_atomic(raw / f"{split}.de", [de for _, de in split_pairs])
     learn_bpe([raw / "train.en", raw / "train.de"], folder / "bpe", vocab_size=120, input_sentence_size=0, threads=1)
     binarize_split("dev", raw / "dev.en", raw / "dev.de", folder / "bpe" / "spm.model", folder / "dev", workers=1)
     return folder / "dev"

@@ -11,8 +11,8 @@ kept``: as ours). Ours is the trainer's objective: the chunked output projection
 aiayn.loss. `transformers` is only needed for the peer:
 
     python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install torch==2.13.0 transformers==5.23.0 numpy
-    PYTHONPATH=src /tmp/benchvenv/bin/python bench/train_cpu.py            # CPU, base size
-    PYTHONPATH=src python bench/train_cpu.py --device cuda --preset big --tokens 25000 --no-peer
+    PYTHONPATH=src /tmp/benchvenv/bin/python -m bench.train.cpu            # CPU, base size
+    PYTHONPATH=src python -m bench.train.cpu --device cuda --preset big --tokens 25000 --no-peer
 
 Each precision's line also gives our step over its matmul floor (the step's linear-layer products
 alone, timed at its shapes, after each timed step and in the same process: see ``matmul_rate`` and

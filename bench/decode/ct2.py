@@ -26,7 +26,7 @@ is the one the agreement column, bf16 and the alpha-0 check use, and the output 
 each equals CTranslate2's float32. An untimed pass per set and rule counts the decoder rows
 (sentences x beams, summed over steps) and steps our search decoded.
 
-    python bench/decode_ct2.py --model results/.../model.pt --spm-model results/.../spm.model \\
+    python -m bench.decode.ct2 --model results/.../model.pt --spm-model results/.../spm.model \\
         --input data/multi30k/test_2016_flickr.en --reference data/multi30k/test_2016_flickr.de
 """
 
@@ -36,23 +36,20 @@ import argparse
 import dataclasses
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from aiayn.bpe import load_processor  # noqa: E402
-from aiayn.checkpoint import load_model  # noqa: E402
-from aiayn.decode import hypothesis_text, translate  # noqa: E402
-from aiayn.export import export_ctranslate2  # noqa: E402
+from aiayn.bpe import load_processor
+from aiayn.checkpoint import load_model
+from aiayn.decode import hypothesis_text, translate
+from aiayn.export import export_ctranslate2
 from aiayn.reading import read_lines
-from aiayn.speed.incremental import InferenceModel  # noqa: E402
-from aiayn.search import SearchConfig, paper_search  # noqa: E402
-from aiayn.tokens import BOS_ID, PAD_ID  # noqa: E402
+from aiayn.search import SearchConfig, paper_search
+from aiayn.speed.incremental import InferenceModel, RowCounting
+from aiayn.tokens import BOS_ID, PAD_ID
 
 
 def cpu_has_bf16() -> bool:
@@ -89,19 +86,6 @@ STOP_RULES = {
     "beam_finished": {"stop_when_beam_finished": True},
     "best_finished": {"stop_when_best_finished": True},
 }
-
-
-class RowCounting(InferenceModel):
-    """An InferenceModel that counts the decoder steps it runs and the rows (sentences x beams) they
-    decode: the work a stopping rule saves (a benchmark's counter, not shipped in the package)."""
-
-    steps = 0
-    rows = 0
-
-    def decode_step(self, tokens, position, cache):
-        self.steps += 1
-        self.rows += tokens.shape[0]
-        return super().decode_step(tokens, position, cache)
 
 
 def ours(model, processor, sentences, config, tokens_per_batch, bf16: bool) -> list[str]:

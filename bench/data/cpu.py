@@ -7,8 +7,8 @@ lexicon of pseudo-words with German-like umlauts and lengths like WMT's, big eno
 37000-piece vocabulary, which the small demo language is not. Run it at two sizes to see how
 time and memory grow with the corpus:
 
-    PYTHONPATH=src .venv/bin/python bench/data_cpu.py --pairs 1000000
-    PYTHONPATH=src .venv/bin/python bench/data_cpu.py --pairs 10000000 --workers 2
+    PYTHONPATH=src .venv/bin/python -m bench.data.cpu --pairs 1000000
+    PYTHONPATH=src .venv/bin/python -m bench.data.cpu --pairs 10000000 --workers 2
 """
 
 from __future__ import annotations

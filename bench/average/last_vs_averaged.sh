@@ -3,7 +3,7 @@
 # (the DAG's score/.../test.json) and of the last checkpoint (final.pt, decoded and scored here with the
 # same decode settings), beside the dev perplexities the average stage wrote to average.json.
 # From the repository root, after the DAG, with the config files the DAG was given:
-#   bench/last_vs_averaged.sh results/multi30k_30min m30k_30min config/multi30k.yaml config/multi30k_30min.yaml
+#   bench/average/last_vs_averaged.sh results/multi30k_30min m30k_30min config/multi30k.yaml config/multi30k_30min.yaml
 set -euo pipefail
 results=$1 model=$2
 shift 2

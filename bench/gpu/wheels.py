@@ -6,10 +6,10 @@ virtual environment (installed from requirements.lock, so every version is the l
 image lacks, and downloads each at the lock's version for the GPU's Python into a git-ignored folder
 (`.whl`) that bench/gpu.sh installs from on the node. Pure-Python packages published only as a source archive
 are built into a wheel here. PuLP is left out: it serves only Snakemake's ILP scheduler (a 16 MB
-solver binary), and gpu.sh runs `--scheduler greedy`.
+solver binary), and bench/gpu.sh runs `--scheduler greedy`.
 
-    .venv/bin/python bench/gpu_wheels.py --python-version 3.12 --dest .whl
-    .venv/bin/python bench/gpu_wheels.py --image    # what we use of the image: to mimic it in a fresh venv
+    .venv/bin/python -m bench.gpu.wheels --python-version 3.12 --dest .whl
+    .venv/bin/python -m bench.gpu.wheels --image    # what we use of the image: to mimic it in a fresh venv
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # What the pipeline imports beyond the image: the workflow engine, MLflow's sqlite store, Moses tokenisation.
 ROOTS = ["snakemake", "mlflow-skinny", "mlflow-tracing", "sqlalchemy", "alembic", "sacremoses"]

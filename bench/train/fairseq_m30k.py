@@ -11,7 +11,7 @@ lr_scale = 1e-3 * sqrt(256 * 1000)), fp32, seed 1, dev = val (1,014 sentences). 
 `--max-tokens 4096`; ours `tokens_per_step` chosen to give the same target tokens a step (both printed).
 Perplexity: exp of the dev NLL per target token (EOS counted), fairseq's base-2 NLL converted.
 
-    python bench/fairseq_m30k.py --data ../shared/data/multi30k --fairseq-python /tmp/fsenv/bin/python
+    python -m bench.train.fairseq_m30k --data ../shared/data/multi30k --fairseq-python /tmp/fsenv/bin/python
 
 The two trainings run side by side (``--threads`` each) unless ``--one-at-a-time``.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PEAK_LR, WARMUP, D_MODEL = 1e-3, 1000, 256
 
 
@@ -53,7 +53,7 @@ def our_config(data: Path, steps: int, every: int, threads: int, tokens_per_step
             "inherit": "m30k_base", "n_heads": 4, "d_head": 64, "d_value": 64, "dropout": 0.1, "init": init,
             "label_smoothing": 0.1, "steps": steps, "warmup_steps": WARMUP,
             "lr_scale": PEAK_LR * math.sqrt(D_MODEL * WARMUP), "average_last": 1, "runtime_minutes": 600,
-            # a checkpoint at every dev evaluation, kept, for bench/lengths.py to decode early models
+            # a checkpoint at every dev evaluation, kept, for bench.decode.lengths to decode early models
             "checkpoint_steps": every, "keep_checkpoints": max(1, steps // every)}},
     }
 

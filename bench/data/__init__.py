@@ -1,0 +1,1 @@
+"""The data stages: download, BPE and binarize, their time and memory."""
