@@ -11,9 +11,8 @@ import sys
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import gpu_wheels  # noqa: E402
-import train_gpu  # noqa: E402
+from bench.gpu import wheels as gpu_wheels
+from bench.train import gpu as train_gpu
 
 pytestmark = pytest.mark.workflow
 
@@ -77,13 +76,8 @@ def test_training_steps_are_timed_cold_and_warm_on_the_trainers_batches_eager_th
     assert all(lines) and lines[0].start() < lines[1].start() < lines[2].start()
 
 
-def test_each_attention_choice_is_timed_where_the_trainer_has_them(cpu_check):
+def test_each_attention_choice_is_timed(cpu_check):
     out = cpu_check.stdout
-    try:
-        from aiayn.train.hardware import attention_kernels  # noqa: F401  (issue 45's trainer)
-    except ImportError:
-        assert "the attention choices are not timed, only auto" in out
-        return
     for choice in ("cudnn", "flash", "efficient"):
         assert re.search(STEP_LINE.format(step="eager", attention=choice, batches="real"), out)
     assert re.search(r"train.attention, tiny on real batches: fastest warm step \w+ \([\d.]+ s; auto [\d.]+, "
