@@ -37,8 +37,6 @@ def learn_bpe(
 
     A setting left as None takes the schema's default (its ``bpe`` section), written only there.
     """
-    import sentencepiece as spm
-
     from aiayn.config import schema_default
 
     if input_sentence_size is None:
@@ -55,6 +53,28 @@ def learn_bpe(
     if threads is not None and threads < 1:
         raise UserError(f"--threads {threads} must be at least 1")
     prepare_output(out_dir, directory=True)
+    _write_model(train_files, out_dir, lines, vocab_size, character_coverage, input_sentence_size, seed, threads)
+    info = {
+        "vocab_size": vocab_size,
+        "model_type": "bpe",
+        "shared": True,
+        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
+        "input_sentence_size": input_sentence_size,
+        "character_coverage": character_coverage,
+        "seed": seed,
+        "fingerprint": vocab_fingerprint(out_dir / SPM_MODEL),
+        "data_fingerprint": fingerprint_files(*train_files),
+        "train_files": [str(p) for p in train_files],
+    }
+    write_json_atomic(out_dir / BPE_INFO, info)
+    return info
+
+
+def _write_model(train_files: list[str | Path], out_dir: Path, lines: int, vocab_size: int, character_coverage: float,
+                 input_sentence_size: int, seed: int, threads: int | None) -> None:
+    """``spm.model`` and ``spm.vocab`` into ``out_dir``, trained in a work folder beside them."""
+    import sentencepiece as spm
+
     spm.set_random_generator_seed(seed)
     # SentencePiece stores the model prefix in the model file: a fixed folder beside the outputs (not a
     # random temporary one) makes two runs of the same stage write the same bytes.
@@ -72,20 +92,6 @@ def learn_bpe(
         shutil.rmtree(work, ignore_errors=True)
         if created and not any(out_dir.iterdir()):  # a failed run leaves no output folder behind
             out_dir.rmdir()
-    info = {
-        "vocab_size": vocab_size,
-        "model_type": "bpe",
-        "shared": True,
-        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID,
-        "input_sentence_size": input_sentence_size,
-        "character_coverage": character_coverage,
-        "seed": seed,
-        "fingerprint": vocab_fingerprint(out_dir / SPM_MODEL),
-        "data_fingerprint": fingerprint_files(*train_files),
-        "train_files": [str(p) for p in train_files],
-    }
-    write_json_atomic(out_dir / BPE_INFO, info)
-    return info
 
 
 def _train_sentencepiece(train_files: list[str | Path], prefix: str, lines: int, vocab_size: int,

@@ -303,60 +303,19 @@ def download(data: dict, out_dir: str | Path) -> dict:
     batches through the cleaning into temporary files beside ``out_dir``; they are renamed into
     place only when all splits are complete, so a bad split leaves no partial output behind.
     """
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     src_lang, tgt_lang = data["src_lang"], data["tgt_lang"]
-    local = (data.get("local") or {}) if data["source"] == "local" else {}
-    refuse_overwriting_inputs(  # a local text file where the cleaned split is written would be replaced by it
-        {"--out-dir": [out_dir / text_name(split, lang) for split in SPLITS for lang in (src_lang, tgt_lang)]
-         + [out_dir / DATA_STATS]},
-        {f"data.local.{split}.{side}": os.path.expanduser(spec[side])
-         for split, spec in local.items() if isinstance(spec, dict) for side in ("src", "tgt") if side in spec})
-    if src_lang == tgt_lang:
-        raise UserError(f"data.src_lang and data.tgt_lang are both {src_lang!r}; they must differ")
-    if data["source"] == "demo":
-        sources = {split: open_demo_split(data["demo"], split) for split in SPLITS}
-    elif data["source"] == "local":
-        sources = {split: open_local_split(data["local"].get(split), split, src_lang, tgt_lang) for split in SPLITS}
-    else:
-        sources = {split: open_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
+    sources = open_sources(data, out_dir)
     held_out = held_out_notes(data, sources)
-    max_length_ratio = data.get("max_length_ratio")
     # what a failed download made is removed again: it leaves nothing behind
     created = [out_dir] * (not out_dir.exists()) + missing_folders(out_dir)
     prepare_output(out_dir, directory=True)
     tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(out_dir), dir=out_dir.parent))
     done = False
     try:
-        all_stats, split_stats = {}, {}
-        for split, source in sources.items():
-            stats = SplitStats(origin=source.origin, dropped_ratio=0 if max_length_ratio is not None else None)
-            with open(tmp / text_name(split, src_lang), "w", encoding="utf-8", newline="\n") as src_file, \
-                 open(tmp / text_name(split, tgt_lang), "w", encoding="utf-8", newline="\n") as tgt_file, \
-                 tqdm(total=source.pairs, desc=f"download {split}", unit=" pairs", mininterval=2.0,
-                      disable=None) as progress:
-                for src, tgt in source.batches():
-                    kept_src, kept_tgt = clean_pairs(src, tgt, split, data.get("max_chars"), stats, max_length_ratio)
-                    src_file.writelines(line + "\n" for line in kept_src)
-                    tgt_file.writelines(line + "\n" for line in kept_tgt)
-                    progress.update(len(src))
-            if not stats.pairs_written:
-                ratio = f", {stats.dropped_ratio} over data.max_length_ratio" if stats.dropped_ratio else ""
-                raise UserError(
-                    f"the {split} split is empty ({', '.join(source.origin)} gave {stats.pairs_read} pairs, "
-                    f"{stats.dropped_empty} empty and {stats.dropped_long} over data.max_chars{ratio} were dropped)"
-                )
-            if split != "train" and not stats.src_words:  # the train split's blank pairs are dropped, above
-                key = f"data.local.{split}" if data["source"] == "local" else f"data.hub.splits.{split}"
-                raise UserError(
-                    f"{', '.join(source.origin)}: every source line of the {split} split is blank ({stats.pairs_read} "
-                    f"pairs), so it has nothing to translate or score; give the {split} split's {src_lang} text "
-                    f"({key}), line for line with its {tgt_lang} translation"
-                )
-            all_stats[split] = stats.as_json()
-            split_stats[split] = stats
-        summary = {"source": data["source"], "src_lang": src_lang, "tgt_lang": tgt_lang, "splits": all_stats}
+        split_stats = {split: clean_split(data, split, source, tmp) for split, source in sources.items()}
+        summary = {"source": data["source"], "src_lang": src_lang, "tgt_lang": tgt_lang,
+                   "splits": {split: stats.as_json() for split, stats in split_stats.items()}}
         notes = held_out + warnings(split_stats)
         if notes:
             summary["warnings"] = notes
@@ -374,6 +333,57 @@ def download(data: dict, out_dir: str | Path) -> dict:
     for note in summary.get("warnings", []):
         print(f"warning: {note}", file=sys.stderr)
     return summary
+
+
+def open_sources(data: dict, out_dir: Path) -> dict:
+    """Each split's source (the demo's, local files or the hub's), opened and checked; refused where the
+    languages are the same or a local file lies where its cleaned split would be written."""
+    src_lang, tgt_lang = data["src_lang"], data["tgt_lang"]
+    local = (data.get("local") or {}) if data["source"] == "local" else {}
+    refuse_overwriting_inputs(  # a local text file where the cleaned split is written would be replaced by it
+        {"--out-dir": [out_dir / text_name(split, lang) for split in SPLITS for lang in (src_lang, tgt_lang)]
+         + [out_dir / DATA_STATS]},
+        {f"data.local.{split}.{side}": os.path.expanduser(spec[side])
+         for split, spec in local.items() if isinstance(spec, dict) for side in ("src", "tgt") if side in spec})
+    if src_lang == tgt_lang:
+        raise UserError(f"data.src_lang and data.tgt_lang are both {src_lang!r}; they must differ")
+    if data["source"] == "demo":
+        return {split: open_demo_split(data["demo"], split) for split in SPLITS}
+    if data["source"] == "local":
+        return {split: open_local_split(data["local"].get(split), split, src_lang, tgt_lang) for split in SPLITS}
+    return {split: open_hub_split(data["hub"], split, src_lang, tgt_lang) for split in SPLITS}
+
+
+def clean_split(data: dict, split: str, source: SplitSource, folder: Path) -> SplitStats:
+    """Stream one split's pairs through the cleaning into ``<split>.<lang>`` in ``folder``; its stats. A split
+    left empty, or (dev, test) with every source line blank, is refused."""
+    from tqdm import tqdm
+
+    src_lang, tgt_lang = data["src_lang"], data["tgt_lang"]
+    max_length_ratio = data.get("max_length_ratio")
+    stats = SplitStats(origin=source.origin, dropped_ratio=0 if max_length_ratio is not None else None)
+    with open(folder / text_name(split, src_lang), "w", encoding="utf-8", newline="\n") as src_file, \
+         open(folder / text_name(split, tgt_lang), "w", encoding="utf-8", newline="\n") as tgt_file, \
+         tqdm(total=source.pairs, desc=f"download {split}", unit=" pairs", mininterval=2.0, disable=None) as progress:
+        for src, tgt in source.batches():
+            kept_src, kept_tgt = clean_pairs(src, tgt, split, data.get("max_chars"), stats, max_length_ratio)
+            src_file.writelines(line + "\n" for line in kept_src)
+            tgt_file.writelines(line + "\n" for line in kept_tgt)
+            progress.update(len(src))
+    if not stats.pairs_written:
+        ratio = f", {stats.dropped_ratio} over data.max_length_ratio" if stats.dropped_ratio else ""
+        raise UserError(
+            f"the {split} split is empty ({', '.join(source.origin)} gave {stats.pairs_read} pairs, "
+            f"{stats.dropped_empty} empty and {stats.dropped_long} over data.max_chars{ratio} were dropped)"
+        )
+    if split != "train" and not stats.src_words:  # the train split's blank pairs are dropped, above
+        key = f"data.local.{split}" if data["source"] == "local" else f"data.hub.splits.{split}"
+        raise UserError(
+            f"{', '.join(source.origin)}: every source line of the {split} split is blank ({stats.pairs_read} "
+            f"pairs), so it has nothing to translate or score; give the {split} split's {src_lang} text "
+            f"({key}), line for line with its {tgt_lang} translation"
+        )
+    return stats
 
 
 @cli

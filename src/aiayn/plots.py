@@ -115,24 +115,12 @@ def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, 
     figure = _figure(7.5, 6.5 if curve_band else 4.5)
     axes, relative = (figure.subplots(2, 1, sharex=True, height_ratios=[3, 2]) if curve_band
                       else (figure.add_subplot(), None))
-    seeds = len(reference.get("seeds", [])) if reference else 0
     if band and not curve_band:
         for step, _, mean, _ in band:
             axes.plot([step], [mean], marker="*", markersize=14, color="black", linestyle="none",
                       label=f"reference end point: {mean:g} at step {step}")
     elif curve_band:
-        steps, low, mean, high = (np.array(column, dtype=float) for column in zip(*band))
-        label = f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)"
-        tolerance = reference.get("tolerance", 0.0)
-        for target, scale in ((axes, 1.0), (relative, mean)):
-            target.fill_between(steps, low / scale, high / scale, color="C7", alpha=0.45, linewidth=0,
-                                label=label if target is axes else None)
-            if tolerance:
-                target.fill_between(steps, low * (1 - tolerance) / scale, high * (1 + tolerance) / scale, color="C7",
-                                    alpha=0.18, linewidth=0,
-                                    label=f"widened by its tolerance, {tolerance:.0%}" if target is axes else None)
-        axes.plot(steps, mean, color="0.3", linestyle="--", linewidth=1.0, label="reference mean")
-        relative.axhline(1.0, color="0.3", linestyle="--", linewidth=1.0)
+        steps, mean = _draw_band(axes, relative, band, reference)
     for number, (seed, points) in enumerate(sorted(curves.items())):
         if not points:
             continue
@@ -155,21 +143,48 @@ def reference_band_figure(preset: str, curves: Mapping[int, Sequence[tuple[int, 
     axes.legend(fontsize=8, loc="upper right")
     (relative if curve_band else axes).set_xlabel("training step")
     if curve_band:
-        relative.set_yscale("log")  # a run 100 times worse and a band of a few percent, both readable
-        from matplotlib.ticker import FixedLocator, NullLocator
-
-        bottom, top = relative.get_ylim()
-        ratios = [r for r in (0.01, 0.1, 0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 30, 100, 1000)
-                  if bottom <= r <= top]
-        relative.yaxis.set_major_locator(FixedLocator(ratios))
-        relative.yaxis.set_minor_locator(NullLocator())
-        relative.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{100 * (value - 1):+.0f}%"))
-        relative.set_ylabel("against the reference mean")
-        relative.grid(True, which="both", alpha=0.3)
+        _style_relative_axes(relative)
     source = reference.get("note", "") if reference else "no reference"
     figure.suptitle(f"{preset}: dev perplexity against its reference\n" + "\n".join(textwrap.wrap(source, 95)),
                     fontsize=10)
     return figure
+
+
+def _draw_band(axes, relative, band: list[tuple], reference: dict):
+    """A curve reference's band (widened by its tolerance) and mean on ``axes``, and relative to the mean on
+    ``relative``; its steps and mean."""
+    import numpy as np
+
+    steps, low, mean, high = (np.array(column, dtype=float) for column in zip(*band))
+    seeds = len(reference.get("seeds", []))
+    label = f"reference band ({seeds} seed{'s' if seeds != 1 else ''}: lowest to highest)"
+    tolerance = reference.get("tolerance", 0.0)
+    for target, scale in ((axes, 1.0), (relative, mean)):
+        target.fill_between(steps, low / scale, high / scale, color="C7", alpha=0.45, linewidth=0,
+                            label=label if target is axes else None)
+        if tolerance:
+            target.fill_between(steps, low * (1 - tolerance) / scale, high * (1 + tolerance) / scale, color="C7",
+                                alpha=0.18, linewidth=0,
+                                label=f"widened by its tolerance, {tolerance:.0%}" if target is axes else None)
+    axes.plot(steps, mean, color="0.3", linestyle="--", linewidth=1.0, label="reference mean")
+    relative.axhline(1.0, color="0.3", linestyle="--", linewidth=1.0)
+    return steps, mean
+
+
+def _style_relative_axes(relative) -> None:
+    """The relative panel on a log scale, ticked in percent from the mean: a run 100 times worse and a band of
+    a few percent, both readable."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    relative.set_yscale("log")
+    bottom, top = relative.get_ylim()
+    ratios = [r for r in (0.01, 0.1, 0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 30, 100, 1000)
+              if bottom <= r <= top]
+    relative.yaxis.set_major_locator(FixedLocator(ratios))
+    relative.yaxis.set_minor_locator(NullLocator())
+    relative.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{100 * (value - 1):+.0f}%"))
+    relative.set_ylabel("against the reference mean")
+    relative.grid(True, which="both", alpha=0.3)
 
 
 def _leading_digit(value: float) -> int:

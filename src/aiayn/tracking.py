@@ -210,6 +210,16 @@ def git_tags(commit: str) -> dict[str, str]:
             "mlflow.source.git.commit": commit}
 
 
+def _mlflow_installed() -> bool:
+    """Whether MLflow imports; without it, says once that metrics go to ``metrics.jsonl`` only."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        print("warning: mlflow is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+        return False
+    return True
+
+
 class Tracker:
     """One MLflow run per trained model (rank 0 only), and ``metrics.jsonl`` always.
 
@@ -238,67 +248,90 @@ class Tracker:
               datasets: Sequence[tuple[str, str, str, str]] = ()) -> str | None:
         """Open (or, resuming, reopen) the run. ``datasets``: (name, fingerprint, source, context) of
         each split trained or evaluated on, logged as MLflow dataset inputs of a new run."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        new_metrics = not (self.run_dir / METRICS).exists()
-        self._logged_step = _last_logged_step(self.run_dir / METRICS)
-        marker = self.run_dir / MLFLOW_LOGGED_STEP
-        self._mlflow_logged_step = int(marker.read_text()) if marker.exists() else -1
-        self._jsonl = open(self.run_dir / METRICS, "a", encoding="utf-8")
-        if self._jsonl.tell() and not (self.run_dir / METRICS).read_bytes().endswith(b"\n"):
-            self._jsonl.write("\n")  # end a line a kill cut short, so the next record starts its own
-        if not self.enabled:
-            return None
-        try:
-            import mlflow
-        except ImportError:
-            print("warning: mlflow is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+        new_metrics = self._open_jsonl()
+        if not self.enabled or not _mlflow_installed():
             self.enabled = False
             return None
         set_global_tracking_uri(self.uri)  # the system-metrics monitor logs through it
-        id_file = self.run_dir / MLFLOW_RUN_ID
         try:
             self.client = open_client(self.uri)
             experiment_id = experiment_id_for(self.client, self.experiment)
-            if id_file.exists():
-                self.run_id = id_file.read_text().strip()
-                _retry(lambda: self.client.update_run(self.run_id, status="RUNNING"), "resume run")
+            if (self.run_dir / MLFLOW_RUN_ID).exists():
+                self._reopen_run()
             else:
-                run_name, tags = self._attempt(experiment_id, tags)
-                run = _retry(lambda: self.client.create_run(experiment_id, run_name=run_name, tags=tags), "run")
-                self.run_id = run.info.run_id
-                id_file.write_text(self.run_id + "\n")
-                from mlflow.entities import Param
-
-                items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
-                for start in range(0, len(items), 100):
-                    _retry(lambda: self.client.log_batch(self.run_id, params=items[start:start + 100]), "params")
-                if datasets:
-                    from mlflow.entities import Dataset, DatasetInput, InputTag
-
-                    inputs = [DatasetInput(Dataset(name, digest, "local", json.dumps({"uri": source})),
-                                           [InputTag("mlflow.data.context", context)])
-                              for name, digest, source, context in datasets]
-                    _retry(lambda: self.client.log_inputs(self.run_id, datasets=inputs), "dataset inputs")
+                self._create_run(experiment_id, tags)
+                self._log_params(params)
+                self._log_datasets(datasets)
         except Exception as error:
-            if new_metrics:  # a run that never started leaves nothing it created (its folder goes at exit)
-                self._jsonl.close()
-                (self.run_dir / METRICS).unlink(missing_ok=True)
-            if isinstance(error, UserError):
-                raise
-            raise UserError(
-                f"cannot use the MLflow tracking store at {self.uri} ({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
-                "start it or point tracking_uri (or MLFLOW_TRACKING_URI) at one that answers. Nothing was trained."
-            ) from None
+            self._abandon(new_metrics, error)
         if self.system_metrics:
-            try:
-                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-                self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=True)
-                self._monitor.start()
-            except Exception as error:  # system metrics are a nicety; training goes on without them
-                print(f"warning: no system metrics ({error})", file=sys.stderr)
-                self._monitor = None
+            self._start_system_metrics()
         return self.run_id
+
+    def _open_jsonl(self) -> bool:
+        """Open ``metrics.jsonl`` to append, noting the last step each sink holds; whether the file is new."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / METRICS
+        new_metrics = not path.exists()
+        self._logged_step = _last_logged_step(path)
+        marker = self.run_dir / MLFLOW_LOGGED_STEP
+        self._mlflow_logged_step = int(marker.read_text()) if marker.exists() else -1
+        self._jsonl = open(path, "a", encoding="utf-8")
+        if self._jsonl.tell() and not path.read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # end a line a kill cut short, so the next record starts its own
+        return new_metrics
+
+    def _reopen_run(self) -> None:
+        """A resumed job continues the run ``mlflow_run_id`` names."""
+        self.run_id = (self.run_dir / MLFLOW_RUN_ID).read_text().strip()
+        _retry(lambda: self.client.update_run(self.run_id, status="RUNNING"), "resume run")
+
+    def _create_run(self, experiment_id: str, tags: dict[str, str]) -> None:
+        """A new run, its id written to ``mlflow_run_id`` for a resumed job and the later stages."""
+        run_name, tags = self._attempt(experiment_id, tags)
+        run = _retry(lambda: self.client.create_run(experiment_id, run_name=run_name, tags=tags), "run")
+        self.run_id = run.info.run_id
+        (self.run_dir / MLFLOW_RUN_ID).write_text(self.run_id + "\n")
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+        for start in range(0, len(items), 100):
+            _retry(lambda: self.client.log_batch(self.run_id, params=items[start:start + 100]), "params")
+
+    def _log_datasets(self, datasets: Sequence[tuple[str, str, str, str]]) -> None:
+        if not datasets:
+            return
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [DatasetInput(Dataset(name, digest, "local", json.dumps({"uri": source})),
+                               [InputTag("mlflow.data.context", context)])
+                  for name, digest, source, context in datasets]
+        _retry(lambda: self.client.log_inputs(self.run_id, datasets=inputs), "dataset inputs")
+
+    def _abandon(self, new_metrics: bool, error: Exception) -> None:
+        """A store that cannot be used stops the run before it trains, as a UserError naming the store."""
+        if new_metrics:  # a run that never started leaves nothing it created (its folder goes at exit)
+            self._jsonl.close()
+            (self.run_dir / METRICS).unlink(missing_ok=True)
+        if isinstance(error, UserError):
+            raise error
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(
+            f"cannot use the MLflow tracking store at {self.uri} ({reason}); "
+            "start it or point tracking_uri (or MLFLOW_TRACKING_URI) at one that answers. Nothing was trained."
+        ) from None
+
+    def _start_system_metrics(self) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=True)
+            self._monitor.start()
+        except Exception as error:  # system metrics are a nicety; training goes on without them
+            print(f"warning: no system metrics ({error})", file=sys.stderr)
+            self._monitor = None
 
     def _attempt(self, experiment_id: str, tags: dict[str, str]) -> tuple[str, dict[str, str]]:
         """Reruns of a preset and seed are told apart: ``<preset>-seed<N>-a<attempt>`` and an attempt tag.

@@ -58,6 +58,20 @@ _SUBJECT_KINDS = _weighted({"noun": 78, "pronoun": 12, "plural": 10})
 _ADJECTIVE_COUNTS = _weighted({0: 58, 1: 30, 2: 12})
 
 
+def role_swapped(clause: Clause) -> Clause | None:
+    """"the man sees the dog" for "the dog sees the man", where the verb allows it.
+
+    Such twins have the same bag of English words and differ in German case, so a model that
+    ignores word order cannot translate both. Draws nothing: the same clause gives the same twin.
+    """
+    subject, obj = clause.subject, clause.accusative
+    if (clause.verb.frame == "accusative" and isinstance(subject, NounPhrase)
+            and isinstance(obj, NounPhrase) and subject.relative is None and obj.relative is None
+            and obj.noun.kind in ANIMATE_KINDS and clause.verb.objects & subject.noun.tags):
+        return dataclasses.replace(clause, subject=obj, accusative=subject)
+    return None
+
+
 class Sampler:
     """Draws sentence trees; every choice goes through ``self.rng`` so a seed fixes the corpus."""
 
@@ -170,23 +184,10 @@ class Sampler:
         predicate = self.rng.choice(_adjectives_for(antecedent.kind))
         return Clause(pronoun, _verbs_of("copula")[0], form, negated, predicate=predicate)
 
-    def role_swapped(self, clause: Clause) -> Clause | None:
-        """"the man sees the dog" for "the dog sees the man", where the verb allows it.
-
-        Such twins have the same bag of English words and differ in German case, so a model that
-        ignores word order cannot translate both.
-        """
-        subject, obj = clause.subject, clause.accusative
-        if (clause.verb.frame == "accusative" and isinstance(subject, NounPhrase)
-                and isinstance(obj, NounPhrase) and subject.relative is None and obj.relative is None
-                and obj.noun.kind in ANIMATE_KINDS and clause.verb.objects & subject.noun.tags):
-            return dataclasses.replace(clause, subject=obj, accusative=subject)
-        return None
-
     def sentences(self) -> list[Sentence]:
         """One sentence, sometimes followed by its role-swapped twin."""
         sentence = self.sentence()
-        twin = self.role_swapped(sentence) if isinstance(sentence, Clause) and self.chance(0.25) else None
+        twin = role_swapped(sentence) if isinstance(sentence, Clause) and self.chance(0.25) else None
         return [sentence] if twin is None else [sentence, twin]
 
     def sentence(self) -> Sentence:

@@ -16,7 +16,7 @@ import torch
 
 from aiayn.batching import (Batch, StepShape, collate, length_batches, padded_to_multiple, padded_to_shape, split_step,
                             step_batches)
-from aiayn.config import preset_default, schema_default
+from aiayn.config import preset_default
 from aiayn.errors import UserError
 from aiayn.loss import teacher_forced_loss
 from aiayn.memory import resolve_device_tokens
@@ -50,15 +50,15 @@ class TrainSettings:
     compile: bool
     precision: str
     seed: int
-    shape_buckets: bool = False  # steps cut on bucketed lengths (aiayn.speed.shapes): train.shape_buckets here
-    attention: str = "auto"
+    shape_buckets: bool  # steps cut on bucketed lengths (aiayn.speed.shapes): train.shape_buckets here
+    attention: str
 
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
                     model: ModelConfig | None = None) -> "TrainSettings":
         """``device``: where the run trains, which ``auto`` settings depend on (the CPU without one); ``model``:
         what it trains, which device_tokens: auto on a GPU depends on too."""
-        buckets = train.get("shape_buckets", schema_default("train.shape_buckets"))
+        buckets = train["shape_buckets"]
         return cls(
             steps=preset["steps"], warmup_steps=preset["warmup_steps"], lr_scale=preset["lr_scale"],
             label_smoothing=preset["label_smoothing"], tokens_per_step=train["tokens_per_step"],
@@ -68,6 +68,7 @@ class TrainSettings:
             # averaging needs the last K checkpoints on disk
             keep_checkpoints=max(preset["keep_checkpoints"], preset["average_last"]),
             average_last=preset["average_last"], checkpoint_steps=preset["checkpoint_steps"],
+            # not filled into presets by the reader (x-fill: false), so read with the schema's default here
             budget_intervals=preset.get("budget_intervals", preset_default("budget_intervals")),
             checkpoint_minutes=preset["checkpoint_minutes"],
             layout=devices(preset),  # every node's gpus: a step is laid out for the job's devices (rendezvous.py)
@@ -76,7 +77,7 @@ class TrainSettings:
             log_every=train["log_every"], dev_every=train["dev_every"], compile=train["compile"],
             precision=train["precision"], seed=seed,
             shape_buckets=buckets is True or (buckets == "auto" and device is not None and device.type == "cuda"),
-            attention=train.get("attention", schema_default("train.attention")),
+            attention=train["attention"],
         )
 
 
