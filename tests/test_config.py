@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import shutil
 import subprocess
 import sys

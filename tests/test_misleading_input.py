@@ -7,7 +7,6 @@ runs the commands: ``python -m aiayn.cli`` and ``python -m snakemake``, on tiny 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
