@@ -72,6 +72,25 @@ def tiny_preset(**overrides) -> dict:
     return preset
 
 
+def config_file(path: Path, **sections) -> str:
+    """A config file at ``path`` holding ``sections`` (and ``models: [base]`` where they name none), as a user
+    writes one: what a command reads through ``--config``."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"models": ["base"], **sections}), encoding="utf-8")
+    return str(path)
+
+
+def train_settings(folder: Path, preset: dict, train: dict | None = None) -> list[str]:
+    """``--config FILE --preset NAME`` for ``aiayn train``: a config in ``folder`` that trains ``preset`` (a
+    resolved one, as ``tiny_preset`` gives) with the ``train`` section given (else the schema's)."""
+    name = preset.get("name", "tiny")
+    own = {key: value for key, value in preset.items() if key != "name"}
+    path = config_file(Path(folder) / f"{name}.yaml", models=[name], presets={name: own}, **({"train": train} if train else {}))
+    return ["--config", path, "--preset", name]
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """A small corpus taken through download, bpe and binarize (train and dev)."""

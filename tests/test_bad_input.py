@@ -22,7 +22,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import corpus_with_bpe, data_section, write_text_corpus
+from conftest import config_file, corpus_with_bpe, data_section, write_text_corpus
 
 TIMEOUT = 60
 BPE = {"vocab_size": 100, "input_sentence_size": 0, "character_coverage": 1.0, "seed": 1}
@@ -112,7 +112,8 @@ def corpus(case: Path) -> dict:
 
 
 def download(case: Path, local: dict, **data) -> list[str]:
-    return ["download", "--data-json", json.dumps(data_section(local=local, **data)), "--out-dir", str(case / "out")]
+    return ["download", "--config", config_file(case / "settings" / "data.yaml", data=data_section(local=local, **data)),
+            "--out-dir", str(case / "out")]
 
 
 def broken_download(break_it: Callable[[Path, dict], None]) -> Callable[[Path, Path], list[str]]:
@@ -134,13 +135,15 @@ def lines(n: int, word: str = "wort") -> bytes:
 
 
 def bpe(case: Path, shared: Path, *inputs: str, options: tuple[str, ...] = (), **settings) -> list[str]:
-    return ["bpe", "--bpe-json", json.dumps({**BPE, **settings}), "--threads", "1", *options,
+    return ["bpe", "--config", config_file(case / "settings" / "bpe.yaml", bpe={**BPE, **settings}), "--threads", "1",
+            *options,
             "--out-dir", str(case / "bpe"), *inputs]
 
 
 def binarize(case: Path, shared: Path, src: str | None = None, tgt: str | None = None, spm: str | None = None,
              split: str = "dev", out: str | None = None, workers: str = "1", **settings) -> list[str]:
-    return ["binarize", "--binarize-json", json.dumps({**BINARIZE, **settings}), "--split", split,
+    return ["binarize", "--config", config_file(case / "settings" / "binarize.yaml", binarize={**BINARIZE, **settings}),
+            "--split", split,
             "--src", src or str(shared / "raw" / f"{split}.en"), "--tgt", tgt or str(shared / "raw" / f"{split}.de"),
             "--spm-model", spm or str(shared / "bpe" / "spm.model"), "--out-dir", out or str(case / "bin" / split),
             "--workers", workers]
@@ -148,7 +151,7 @@ def binarize(case: Path, shared: Path, src: str | None = None, tgt: str | None =
 
 def decode(case: Path, shared: Path, model: str | None = None, spm: str | None = None,
            source: str | None = None, output: str | None = None) -> list[str]:
-    return ["decode", "--decode-json", "{}", "--model", model or str(case / "model.pt"),
+    return ["decode", "--model", model or str(case / "model.pt"),
             "--spm-model", spm or str(shared / "bpe" / "spm.model"),
             "--input", source or str(shared / "raw" / "dev.en"), "--output", output or str(case / "out.de"),
             "--threads", "1", "--device", "cpu"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import sys
 import pytest
 import yaml
 from pathlib import Path
-from conftest import REPO
+from conftest import REPO, config_file
 
 from aiayn.config import SCHEMA_PATH, load_config, merge, resolve_preset, schema_default, to_json
 from aiayn.errors import UserError
@@ -154,20 +153,20 @@ def test_the_en_fr_config_is_table2s_other_column():
     assert big["dropout"] == 0.1 and big["paper"]["bleu_test"] == 41.8
 
 
-def test_a_section_given_as_json_is_checked_and_gets_the_schemas_defaults(capsys):
+def test_a_section_read_without_files_stands_on_the_schemas_defaults_and_its_options_are_checked(tmp_path, capsys):
     from aiayn.bpe import main as bpe_main
-    from aiayn.config import InlineSection, read_config, section_defaults
+    from aiayn.config import read_config, section_defaults
 
-    def check_section(section, values, option):
-        return read_config(None, section, inline=InlineSection(option, section, json.dumps(values)))
-
-    decode = check_section("decode", {"beam_size": 2}, "--decode-json")
+    decode = read_config(None, "decode", {"decode.beam_size": ("--beam", 2)})
     assert decode == {**section_defaults("decode"), "beam_size": 2}
-    assert check_section("data", {}, "x")["hub"]["splits"]["dev"] == "validation"  # nested defaults too
-    with pytest.raises(UserError, match=r"--decode-json: decode.beam_size = 0"):
-        check_section("decode", {"beam_size": 0}, "--decode-json")
+    assert read_config(None, "data")["hub"]["splits"]["dev"] == "validation"  # nested defaults too
+    with pytest.raises(UserError, match=r"--beam: decode.beam_size = 0"):
+        read_config(None, "decode", {"decode.beam_size": ("--beam", 0)})
+    whole = read_config(None, None, {"train.precision": ("--precision", "fp32")})
+    assert whole["train"] == {**section_defaults("train"), "precision": "fp32"} and "models" not in whole
     # through a stage's command line: one message, exit 2
-    status = bpe_main(["--bpe-json", '{"vocab_sise": 100}', "--out-dir", "unused", "in.txt"])
+    config = config_file(tmp_path / "c.yaml", bpe={"vocab_sise": 100})
+    status = bpe_main(["--config", config, "--out-dir", "unused", "in.txt"])
     assert status == 2
     assert "unknown key bpe.vocab_sise" in capsys.readouterr().err
 
@@ -352,7 +351,7 @@ def test_code_defaults_come_from_the_schema(tmp_path):
     from aiayn.search import greedy_search
 
     train = subprocess.run([sys.executable, "-m", "aiayn.train", "--help"], capture_output=True, text=True, timeout=120)
-    assert f"(default: {schema_default('experiment')}, the schema's)" in " ".join(train.stdout.split())
+    assert f"sets none, {schema_default('experiment')}, the schema's)" in " ".join(train.stdout.split())
     local = write_text_corpus(tmp_path / "corpus")
     info = learn_bpe([local["train"]["src"], local["train"]["tgt"]], tmp_path / "bpe", vocab_size=60, threads=1)
     assert {key: info[key] for key in ("input_sentence_size", "character_coverage", "seed")} == {
@@ -369,9 +368,8 @@ def _train_args(argv):
     import argparse
 
     parser = argparse.ArgumentParser()
-    for option in ("--config",):
-        parser.add_argument(option, nargs="+")
-    for option in ("--preset", "--preset-json", "--train-json"):
+    parser.add_argument("--config", nargs="+")
+    for option in ("--preset", "--experiment", "--tracking-uri"):
         parser.add_argument(option)
     parser.add_argument("--log-every", type=int)
     return parser.parse_args(argv)
@@ -382,21 +380,18 @@ def test_train_takes_config_files_and_a_preset_name_as_the_snakefile_resolves_th
 
     demo = str(REPO / "config" / "config.yaml")
     config = load_config([demo])
-    preset, train_section, experiment = _settings(_train_args(["--config", demo, "--preset", "demo_base"]))
-    assert preset == json.loads(to_json(resolve_preset(config, "demo_base")))  # what --preset-json carries
-    assert train_section == config["train"] and experiment == config["experiment"]
-    from_json = _settings(_train_args(["--preset-json", to_json(preset), "--train-json", to_json(train_section)]))
-    assert from_json[:2] == (preset, train_section)
+    preset, train_section, experiment, uri = _settings(_train_args(["--config", demo, "--preset", "demo_base"]))
+    assert preset == resolve_preset(config, "demo_base")
+    assert (train_section, experiment, uri) == (config["train"], config["experiment"], config["tracking_uri"])
+    given = _settings(_train_args(["--config", demo, "--preset", "demo_base", "--log-every", "3", "--experiment",
+                                   "other", "--tracking-uri", "sqlite:///other.db"]))
+    assert given[1]["log_every"] == 3 and given[2:] == ("other", "sqlite:///other.db")
 
 
-@pytest.mark.parametrize("argv", [
-    [],  # neither way
-    ["--config", "x.yaml"],  # files without a preset
-    ["--preset-json", "{}"],  # half of the Snakefile's pair
-    ["--config", "x.yaml", "--preset", "base", "--train-json", "{}"],  # both ways at once
-])
-def test_train_refuses_settings_given_half_or_twice_in_one_message(argv):
-    from aiayn.train.launch import _settings
+def test_train_refuses_a_command_line_without_config_files_or_a_preset(capsys):
+    from aiayn.train.launch import main
 
-    with pytest.raises(UserError, match="--config FILE... with --preset NAME"):
-        _settings(_train_args(argv))
+    for argv, missing in (([], "--config, --preset"), (["--config", "x.yaml"], "--preset"),
+                          (["--preset", "base"], "--config")):
+        assert main([*argv, "--train-data", "t", "--spm-model", "m", "--run-dir", "r"]) == 2
+        assert f"the following arguments are required: {missing}" in capsys.readouterr().err

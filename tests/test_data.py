@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import data_section, make_pairs, write_text_corpus
+from conftest import config_file, data_section, make_pairs, write_text_corpus
 
 from aiayn.data import download
 from aiayn.errors import UserError
@@ -150,8 +150,9 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path):
     local = write_text_corpus(tmp_path / "raw")
     (tmp_path / "raw" / "train.de").write_text("x\n", encoding="utf-8")
     result = subprocess.run(
-        [sys.executable, "-m", "aiayn.cli", "download", "--data-json", json.dumps(data_section(local=local)),
-         "--out-dir", str(tmp_path / "out")], capture_output=True, text=True)
+        [sys.executable, "-m", "aiayn.cli", "download", "--config",
+         config_file(tmp_path / "c.yaml", data=data_section(local=local)), "--out-dir", str(tmp_path / "out")],
+        capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -11,7 +11,7 @@ import torch
 from aiayn import translate
 from aiayn.bpe import learn_bpe, load_processor, vocab_fingerprint
 from aiayn.checkpoint import load_model
-from aiayn.config import load_config, to_json
+from aiayn.config import load_config
 from aiayn.decode import hypothesis_text, main, resolve_tokens_per_batch, search_batches
 from aiayn.decode import translate as translate_text
 from aiayn.errors import UserError
@@ -19,7 +19,7 @@ from aiayn.model import Transformer
 from aiayn.search import SearchConfig, beam_search
 from aiayn.speed.incremental import InferenceModel
 from aiayn.tokens import EOS_ID
-from conftest import REPO
+from conftest import REPO, config_file
 from test_search import sources, tiny_model  # the search's tiny random models and padded sources
 
 
@@ -181,14 +181,18 @@ def test_load_model_refuses_weights_that_do_not_fit_their_config(tmp_path, text_
         load_model(tmp_path / "model.pt")
 
 
-DECODE_JSON = to_json({"beam_size": 2, "length_penalty": 0.6, "max_len_a": 1.0, "max_len_b": 4,
-                       "tokens_per_batch": 40})
+DECODE = {"beam_size": 2, "length_penalty": 0.6, "max_len_a": 1.0, "max_len_b": 4, "tokens_per_batch": 40}
+
+
+def decode_config(folder, decode=DECODE) -> list[str]:
+    """``--config FILE`` of a config whose `decode` section is ``decode``."""
+    return ["--config", config_file(folder / "decode.yaml", decode=decode)]
 
 
 def test_decode_cli_writes_one_line_per_input_line(tmp_path, spm_model, text_model, capsys):
     save_model_file(tmp_path / "model.pt", text_model.model, spm_model)
     (tmp_path / "src.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "model.pt"), "--spm-model",
+    status = main([*decode_config(tmp_path), "--model", str(tmp_path / "model.pt"), "--spm-model",
                    str(spm_model), "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "out" / "hyp.txt"),
                    "--threads", "1", "--device", "cpu"])
     assert status == 0
@@ -204,9 +208,9 @@ def test_decode_cli_with_two_workers_writes_what_one_worker_writes(tmp_path, spm
     (tmp_path / "src.txt").write_text("\n".join(SENTENCES * 3) + "\n", encoding="utf-8")
     written = []
     for workers in (1, 2):
-        section = to_json({"beam_size": 2, "max_len_b": 4, "tokens_per_batch": 30, "workers": workers})
+        section = {"beam_size": 2, "max_len_b": 4, "tokens_per_batch": 30, "workers": workers}
         output = tmp_path / f"hyp{workers}.txt"
-        assert main(["--decode-json", section, "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
+        assert main([*decode_config(tmp_path / str(workers), section), "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
                      "--input", str(tmp_path / "src.txt"), "--output", str(output), "--threads", "2",
                      "--device", "cpu"]) == 0
         written.append(output.read_text(encoding="utf-8"))
@@ -216,7 +220,7 @@ def test_decode_cli_with_two_workers_writes_what_one_worker_writes(tmp_path, spm
 
 def test_decode_cli_reports_a_missing_model_file_with_exit_status_2(tmp_path, spm_model, capsys):
     (tmp_path / "src.txt").write_text("the cat\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "nope.pt"), "--spm-model", str(spm_model),
+    status = main([*decode_config(tmp_path), "--model", str(tmp_path / "nope.pt"), "--spm-model", str(spm_model),
                    "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "hyp.txt"), "--device", "cpu"])
     assert status == 2
     error = capsys.readouterr().err
@@ -227,7 +231,7 @@ def test_decode_cli_reports_a_missing_model_file_with_exit_status_2(tmp_path, sp
 def test_decode_cli_refuses_a_vocabulary_of_another_size(tmp_path, spm_model, capsys):
     save_model_file(tmp_path / "model.pt", tiny_model(seed=20, vocab_size=30).model, spm_model)
     (tmp_path / "src.txt").write_text("the cat\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
+    status = main([*decode_config(tmp_path), "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
                    "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "hyp.txt"), "--device", "cpu"])
     assert status == 2
     assert "vocab_size = 30" in capsys.readouterr().err
@@ -236,7 +240,7 @@ def test_decode_cli_refuses_a_vocabulary_of_another_size(tmp_path, spm_model, ca
 def test_decode_cli_refuses_another_vocabulary_of_the_same_size(tmp_path, spm_model, text_model, capsys):
     save_model_file(tmp_path / "model.pt", text_model.model)  # the right size, another fingerprint
     (tmp_path / "src.txt").write_text("the cat\n", encoding="utf-8")
-    status = main(["--decode-json", DECODE_JSON, "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
+    status = main([*decode_config(tmp_path), "--model", str(tmp_path / "model.pt"), "--spm-model", str(spm_model),
                    "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "hyp.txt"), "--device", "cpu"])
     assert status == 2
     assert "another vocabulary" in capsys.readouterr().err

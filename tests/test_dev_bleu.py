@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import tiny_preset
+from conftest import config_file, tiny_preset
 import numpy as np
 import torch
 
@@ -35,7 +35,7 @@ def test_dev_bleu_during_training_equals_aiayn_decode_and_aiayn_score_on_the_sam
     for side in ("en", "de"):
         lines = (prepared / "data" / f"dev.{side}").read_text(encoding="utf-8").splitlines()[:12]
         (tmp_path / f"sample.{side}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    assert decode(["--decode-json", json.dumps({"beam_size": 1}), "--model", str(tmp_path / "run" / "final.pt"),
+    assert decode(["--config", config_file(tmp_path / "c.yaml", decode={"beam_size": 1}), "--model", str(tmp_path / "run" / "final.pt"),
                    "--spm-model", str(prepared / "bpe" / "spm.model"), "--device", "cpu", "--threads", "1",
                    "--input", f"{sample}.en", "--output", str(tmp_path / "hyp.de")]) in (0, None)
     assert score(["--hyp", str(tmp_path / "hyp.de"), "--ref", f"{sample}.de", "--json",

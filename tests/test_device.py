@@ -4,13 +4,14 @@ by accident."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import tiny_preset
+from conftest import tiny_preset, train_settings
 
 from aiayn.config import section_defaults
 from aiayn.device import choose_device
@@ -21,10 +22,9 @@ SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens":
 
 
 def _train(prepared, run_dir, preset, section, *extra, env=None):
-    command = [sys.executable, "-m", "aiayn.train", "--preset-json", json.dumps(preset), "--seed", "1",
-               "--train-data", str(prepared / "bin" / "train"), "--spm-model", str(prepared / "bpe" / "spm.model"),
-               "--no-tracking", "--threads", "1", "--train-json", json.dumps(section), "--run-dir", str(run_dir),
-               *extra]
+    command = [sys.executable, "-m", "aiayn.train", *train_settings(Path(run_dir).parent, preset, section), "--seed",
+               "1", "--train-data", str(prepared / "bin" / "train"), "--spm-model", str(prepared / "bpe" / "spm.model"),
+               "--no-tracking", "--threads", "1", "--run-dir", str(run_dir), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 

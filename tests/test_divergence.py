@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from conftest import tiny_preset
+from conftest import tiny_preset, train_settings
 import pytest
 import torch
 
@@ -88,10 +88,10 @@ def test_a_non_finite_loss_that_comes_back_stops_with_its_reason_and_exit_2_and_
 
     fault_at(monkeypatch, 5, times=2)
     run_dir = tmp_path / "run"
-    status = main(["--preset-json", json.dumps(tiny_preset(**PRESET)), "--seed", "1",
+    status = main([*train_settings(tmp_path, tiny_preset(**PRESET), TRAIN_SECTION), "--seed", "1",
                    "--train-data", str(prepared / "bin" / "train"), "--dev-data", str(prepared / "bin" / "dev"),
                    "--spm-model", str(prepared / "bpe" / "spm.model"), "--no-tracking", "--device", "cpu",
-                   "--threads", "1", "--train-json", json.dumps(TRAIN_SECTION), "--run-dir", str(run_dir)])
+                   "--threads", "1", "--run-dir", str(run_dir)])
     assert status == 2
     message = capsys.readouterr().err
     assert "going back to step_00000004.pt" in message

@@ -3,7 +3,6 @@ and a page that holds it all and fetches nothing."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -11,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import config_file
 from test_appendix_figures import processor, save_tiny_model, tiny_model, vocabulary  # noqa: F401 (fixtures)
 
 from aiayn.appendix_figures import ANAPHORA, LONG_DISTANCE
@@ -27,10 +27,10 @@ SEARCH = {"beam_size": 2, "length_penalty": 0.6, "max_len_a": 0.0, "max_len_b": 
 
 
 def settings() -> DecodeSettings:
-    from aiayn.config import InlineSection, read_config
+    from aiayn.config import read_config
 
-    return DecodeSettings.from_section(read_config(None, "decode", inline=InlineSection("test", "decode",
-                                                                                        json.dumps(SEARCH))))
+    return DecodeSettings.from_section(read_config(None, "decode", {f"decode.{key}": (key, value)
+                                                                    for key, value in SEARCH.items()}))
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +179,11 @@ def run_explore(*args, cwd):
 
 
 def test_the_command_writes_a_page_of_the_given_sentences(vocabulary, tmp_path):  # noqa: F811
-    import json
-
     model = save_tiny_model(tmp_path / "model.pt", vocabulary)
     (tmp_path / "input.en").write_text("the dog sees a cat .\na big house .\n", encoding="utf-8")
     result = run_explore("--model", str(model), "--spm-model", str(vocabulary), "--input", "input.en",
-                         "--decode-json", json.dumps(SEARCH), "--device", "cpu", "--out", "out/page.html", cwd=tmp_path)
+                         "--config", config_file(tmp_path / "c.yaml", decode=SEARCH), "--device", "cpu",
+                         "--out", "out/page.html", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     data = read_page_data((tmp_path / "out" / "page.html").read_text(encoding="utf-8"))
     assert [sentence["source"] for sentence in data["sentences"]] == ["the dog sees a cat .", "a big house ."]
@@ -196,11 +195,12 @@ def test_the_command_writes_a_page_of_the_given_sentences(vocabulary, tmp_path):
     (["--sentence", "a cat .", "--input", "input.en"], "not allowed with argument"),
     (["--sentence", "a cat .", "--dev", "input.en"], "--dev adds dev sentences to the default page only"),
     (["--sentence", "  "], "--sentence: a blank sentence"),
-    (["--sentence", "a cat .", "--decode-json", '{"beam_size": 0}'], "decode.beam_size"),
+    (["--sentence", "a cat .", "--config", "bad.yaml"], "decode.beam_size"),
 ], ids=["blank line", "input and sentence", "dev with sentence", "blank sentence", "bad search"])
 def test_bad_input_is_one_error_line_and_nothing_written(vocabulary, tmp_path, arguments, message):  # noqa: F811
     model = save_tiny_model(tmp_path / "model.pt", vocabulary)
     (tmp_path / "input.en").write_text("the dog .\n\na cat .\n", encoding="utf-8")
+    config_file(tmp_path / "bad.yaml", decode={"beam_size": 0})
     result = run_explore("--model", str(model), "--spm-model", str(vocabulary), *arguments, "--out", "page.html",
                          cwd=tmp_path)
     assert result.returncode == 2
@@ -211,7 +211,6 @@ def test_bad_input_is_one_error_line_and_nothing_written(vocabulary, tmp_path, a
 
 def test_the_report_writes_the_page_of_the_paper_and_dev_sentences_with_the_runs_search(vocabulary, tmp_path):  # noqa: F811
     import argparse
-    import json
 
     from aiayn.report import attention_explorer
 
@@ -219,8 +218,8 @@ def test_the_report_writes_the_page_of_the_paper_and_dev_sentences_with_the_runs
     dev = tmp_path / "dev.en"
     dev.write_text("the dog .\na cat .\nthe house .\nthe garden .\n", encoding="utf-8")
     arguments = argparse.Namespace(attention_model=model, spm_model=vocabulary, explorer_dev=dev,
-                                   decode_json=json.dumps(SEARCH), out_dir=tmp_path / "report")
-    page = attention_explorer(arguments)
+                                   out_dir=tmp_path / "report")
+    page = attention_explorer(arguments, settings())
     assert page == tmp_path / "report" / "attention_explorer.html"
     data = read_page_data(page.read_text(encoding="utf-8"))
     # the dev sentences first: the test's vocabulary, lowercase, cannot read the paper's "It"

@@ -165,6 +165,37 @@ def test_export_cli_searches_with_the_configs_beam_size(tmp_path, trained, capsy
     assert GenerationConfig.from_pretrained(tmp_path / "hf").num_beams == 6
 
 
+def test_the_workflows_export_generates_with_the_configs_decode_beam_size(tmp_path, trained):
+    """The export rule's command, formatted as Snakemake formats it, hands the export the resolved config
+    (SETTINGS): a Hugging Face export then generates with its decode.beam_size, not the paper's 4."""
+    need("transformers")
+    import shlex
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from conftest import REPO
+    from transformers import GenerationConfig
+
+    from aiayn.config import read_config, write_resolved
+
+    model, spm_model = trained
+    save_model_file(tmp_path / "model.pt", model, spm_model)
+    (tmp_path / "c.yaml").write_text("models: [base]\ndecode: {beam_size: 2}\n")
+    settings = write_resolved(read_config([tmp_path / "c.yaml"]), tmp_path / "config" / "resolved.yaml")
+    rule = (REPO / "workflow" / "rules" / "export.smk").read_text()
+    shell = eval("(" + rule.split("shell:", 1)[1] + ")", {"SETTINGS": settings})  # the rule's pieces, joined
+    command = shell.format(log=tmp_path / "export.log", resources=SimpleNamespace(attempt=1),
+                           input=SimpleNamespace(model=tmp_path / "model.pt", spm_model=spm_model),
+                           wildcards=SimpleNamespace(format="huggingface"), output=tmp_path / "hf")
+    aiayn, *arguments = shlex.split(command)
+    assert aiayn == "aiayn" and "--config" in arguments
+    done = subprocess.run([sys.executable, "-m", "aiayn.cli", *arguments], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (tmp_path / "export.log").read_text()[-3000:]
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").num_beams == 2
+
+
 def test_huggingface_greedy_generate_translates_as_our_greedy_search(tmp_path, trained, test_sources):
     need("transformers")
     from transformers import MarianMTModel

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import data_section, tiny_preset, write_text_corpus
+from conftest import config_file, data_section, tiny_preset, train_settings, write_text_corpus
 from test_overwrite import TIMEOUT, copy, decode, run_cli, shared  # noqa: F401 (shared is a fixture)
 
 pytest.importorskip("ctranslate2")
@@ -152,8 +152,7 @@ def test_a_log_that_is_one_of_decodes_inputs_is_refused_and_the_input_kept(share
 def test_a_log_that_is_bpes_training_text_is_refused_and_the_text_kept(shared, tmp_path):
     copy(shared, tmp_path, "raw/train.en", "raw/train.de")
     before = listing(tmp_path)
-    bpe = {"vocab_size": 100, "input_sentence_size": 0, "character_coverage": 1.0, "seed": 1}
-    stderr = one_error(run_cli(["--log", "raw/train.de", "bpe", "--bpe-json", json.dumps(bpe), "--out-dir", "bpe",
+    stderr = one_error(run_cli(["--log", "raw/train.de", "bpe", "--out-dir", "bpe",
                                 "raw/train.en", "raw/train.de"], tmp_path))
     assert "--log raw/train.de is the input training text raw/train.de" in stderr, stderr
     assert listing(tmp_path) == before
@@ -162,8 +161,7 @@ def test_a_log_that_is_bpes_training_text_is_refused_and_the_text_kept(shared, t
 def test_a_log_that_is_an_output_of_bpe_is_refused(shared, tmp_path):
     copy(shared, tmp_path, "raw/train.en", "raw/train.de", "bpe")
     before = listing(tmp_path)
-    bpe = {"vocab_size": 100, "input_sentence_size": 0, "character_coverage": 1.0, "seed": 1}
-    stderr = one_error(run_cli(["--log", "bpe/spm.model", "bpe", "--bpe-json", json.dumps(bpe), "--out-dir", "bpe",
+    stderr = one_error(run_cli(["--log", "bpe/spm.model", "bpe", "--out-dir", "bpe",
                                 "raw/train.en", "raw/train.de"], tmp_path))
     assert "--log bpe/spm.model is also the output --out-dir bpe/spm.model" in stderr, stderr
     assert listing(tmp_path) == before
@@ -250,7 +248,7 @@ def test_translate_says_why_its_stdin_is_empty_when_stdout_emptied_it(shared, tm
     assert "f.txt" in stderr
 
 
-# --- 8. --log-to-run read first; --preset-json checked like a config; tracking leaves nothing -----------------
+# --- 8. --log-to-run read first; a preset checked by the schema; tracking leaves nothing ---------------------
 
 @pytest.mark.parametrize("kind", ["missing", "not JSON"])
 def test_score_reads_log_to_run_before_the_work(shared, tmp_path, kind):
@@ -281,8 +279,8 @@ def train_command(prepared: Path, run_dir: Path, *extra: str, **preset) -> list[
 
     section = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 600, "log_every": 1,
                "dev_every": 0, "precision": "fp32", "device": "cpu"}
-    return ["train", "--preset-json", json.dumps(tiny_preset(**preset)), "--seed", "1", "--train-json",
-            json.dumps(section), "--train-data", str(prepared / "bin" / "train"), "--spm-model",
+    return ["train", *train_settings(Path(run_dir).parent / "settings", tiny_preset(**preset), section), "--seed", "1",
+            "--train-data", str(prepared / "bin" / "train"), "--spm-model",
             str(prepared / "bpe" / "spm.model"), "--run-dir", str(run_dir), "--device", "cpu", "--threads", "1",
             *extra]
 
@@ -294,9 +292,9 @@ def test_train_checks_its_preset_json_against_the_schema(prepared, tmp_path, key
     if key == "warmup_steps" and "minimum" not in _schema()["$defs"]["preset"]["properties"]["warmup_steps"]:
         pytest.skip("the schema sets no lower bound for warmup_steps")
     stderr = one_error(run_cli(train_command(prepared, tmp_path / "run", "--no-tracking", **{key: value}), tmp_path))
-    assert stderr.startswith(f"error: --preset-json: {key} = {value!r}"), stderr
+    assert stderr.startswith(f"error: {tmp_path / 'settings' / 'tiny.yaml'}: presets.tiny.{key} = {value!r}"), stderr
     assert stderr.count("\n") == 1 and "ZeroDivisionError" not in stderr, stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [path.name for path in tmp_path.iterdir()] == ["settings"]  # the config file alone: no run folder
 
 
 def test_an_unreachable_tracking_server_leaves_no_run_folder(prepared, tmp_path):
@@ -312,7 +310,8 @@ def test_an_unreachable_tracking_server_leaves_no_run_folder(prepared, tmp_path)
                             cwd=tmp_path, capture_output=True, timeout=TIMEOUT, env={**env, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2, result.stderr.decode()[-3000:]
     assert "cannot use the MLflow tracking store" in result.stderr.decode()
-    assert list(tmp_path.iterdir()) == []
+    left = sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*"))
+    assert left == ["runs", "runs/settings", "runs/settings/tiny.yaml"]  # the config file alone: no run folder
 
 
 # --- 9. a failed download leaves nothing behind ----------------------------------------------------------------
@@ -321,9 +320,9 @@ def test_a_download_whose_train_split_is_all_blank_leaves_no_folder(tmp_path):
     local = write_text_corpus(tmp_path / "raw", (("train", 20), ("dev", 5), ("test", 5)))
     for side in ("en", "de"):
         (tmp_path / "raw" / f"train.{side}").write_text("\n" * 20)
+    config = config_file(tmp_path / "c.yaml", data=data_section(local=local))
     before = listing(tmp_path)
-    stderr = one_error(run_cli(["download", "--data-json", json.dumps(data_section(local=local)), "--out-dir",
-                                "results/data/local"], tmp_path))
+    stderr = one_error(run_cli(["download", "--config", config, "--out-dir", "results/data/local"], tmp_path))
     assert "the train split is empty" in stderr, stderr
     assert listing(tmp_path) == before
 

@@ -7,7 +7,6 @@ runs the commands: ``python -m aiayn.cli`` and ``python -m snakemake``, on tiny 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, corpus_with_bpe, write_text_corpus
+from conftest import REPO, config_file, corpus_with_bpe, write_text_corpus
 
 # A search that ran would take minutes; a refusal takes the seconds of starting Python and torch.
 TIMEOUT = 90
@@ -81,7 +80,7 @@ def long_line_source(folder: Path) -> Path:
 
 def test_decode_refuses_a_line_of_ten_thousand_words_at_once(shared, tmp_path):
     source = long_line_source(tmp_path)
-    result = run_cli(["decode", "--decode-json", "{}", "--model", str(shared / "model.pt"), "--spm-model",
+    result = run_cli(["decode", "--model", str(shared / "model.pt"), "--spm-model",
                       str(shared / "bpe" / "spm.model"), "--input", str(source), "--output", str(tmp_path / "out.de"),
                       "--threads", "1", "--device", "cpu"], tmp_path)
     message = refused(result)
@@ -101,7 +100,7 @@ def test_translate_refuses_a_line_of_ten_thousand_words_at_once(shared, tmp_path
 def test_decode_takes_its_limit_from_the_command_line(shared, tmp_path):
     source = tmp_path / "source.en"
     source.write_text("the man sees the dog in the garden today .\n", encoding="utf-8")
-    result = run_cli(["decode", "--decode-json", "{}", "--model", str(shared / "model.pt"), "--spm-model",
+    result = run_cli(["decode", "--model", str(shared / "model.pt"), "--spm-model",
                       str(shared / "bpe" / "spm.model"), "--input", str(source), "--output", str(tmp_path / "out.de"),
                       "--threads", "1", "--device", "cpu", "--max-source-tokens", "3"], tmp_path)
     assert "decode.max_source_tokens = 3" in refused(result)
@@ -118,12 +117,10 @@ def write_config(folder: Path, data: dict, name: str = "mine.yaml") -> Path:
     return path
 
 
-@pytest.mark.parametrize("how", ["config", "data-json"])
-def test_local_data_without_a_source_is_refused_not_swapped_for_the_demo(tmp_path, how):
+def test_local_data_without_a_source_is_refused_not_swapped_for_the_demo(tmp_path):
     local = write_text_corpus(tmp_path / "corpus", (("train", 20), ("dev", 5), ("test", 5)))
-    given = (["--config", str(write_config(tmp_path, {"local": local}))] if how == "config"
-             else ["--data-json", json.dumps({"local": local})])
-    result = run_cli(["download", *given, "--out-dir", str(tmp_path / "out")], tmp_path)
+    result = run_cli(["download", "--config", str(write_config(tmp_path, {"local": local})), "--out-dir",
+                      str(tmp_path / "out")], tmp_path)
     message = refused(result)
     assert "data.local" in message and "data.source" in message
     assert not (tmp_path / "out").exists()
@@ -137,7 +134,8 @@ def local_data(tmp_path: Path, **splits: str) -> dict:
 
 def test_a_test_split_that_is_the_training_data_is_refused(tmp_path):
     data = local_data(tmp_path, test="train")
-    result = run_cli(["download", "--data-json", json.dumps(data), "--out-dir", str(tmp_path / "out")], tmp_path)
+    result = run_cli(["download", "--config", str(write_config(tmp_path, data)), "--out-dir", str(tmp_path / "out")],
+                     tmp_path)
     message = refused(result)
     assert "data.local.test is data.local.train" in message
     assert not (tmp_path / "out").exists()
@@ -145,22 +143,26 @@ def test_a_test_split_that_is_the_training_data_is_refused(tmp_path):
 
 def test_a_dev_split_that_is_the_training_data_is_warned_about(tmp_path):
     data = local_data(tmp_path, dev="train")
-    result = run_cli(["download", "--data-json", json.dumps(data), "--out-dir", str(tmp_path / "out")], tmp_path)
+    result = run_cli(["download", "--config", str(write_config(tmp_path, data)), "--out-dir", str(tmp_path / "out")],
+                     tmp_path)
     assert result.returncode == 0, result.stderr
     assert [line for line in warnings(result) if "data.local.dev is data.local.train" in line]
 
 
 def test_binarize_refuses_one_file_as_source_and_target(shared, tmp_path):
     text = shared / "raw" / "train.en"
-    result = run_cli(["binarize", "--binarize-json", "{}", "--split", "train", "--src", str(text), "--tgt", str(text),
+    result = run_cli(["binarize", "--split", "train", "--src", str(text), "--tgt", str(text),
                       "--spm-model", str(shared / "bpe" / "spm.model"), "--out-dir", str(tmp_path / "bin")], tmp_path)
     assert "--src" in refused(result) and "--tgt" in errors(result)[0]
     assert not (tmp_path / "bin").exists()
 
 
+SMALL_BPE = {"vocab_size": 60, "input_sentence_size": 0}
+
+
 def test_bpe_warns_about_one_file_given_twice(shared, tmp_path):
     text = shared / "raw" / "train.en"
-    result = run_cli(["bpe", "--bpe-json", json.dumps({"vocab_size": 60, "input_sentence_size": 0}), "--threads", "1",
+    result = run_cli(["bpe", "--config", config_file(tmp_path / "bpe.yaml", bpe=SMALL_BPE), "--threads", "1",
                       "--out-dir", str(tmp_path / "bpe"), str(text), str(text)], tmp_path)
     assert result.returncode == 0, result.stderr
     assert len([line for line in warnings(result) if "given again" in line]) == 1
@@ -238,7 +240,7 @@ def test_a_key_given_twice_is_refused_naming_file_and_line(tmp_path):
 def test_bpe_learns_no_piece_from_a_byte_order_mark(shared, tmp_path):
     text = (shared / "raw" / "train.en").read_bytes()
     (tmp_path / "bom.en").write_bytes(b"\xef\xbb\xbf" + text)
-    result = run_cli(["bpe", "--bpe-json", json.dumps({"vocab_size": 60, "input_sentence_size": 0}), "--threads", "1",
+    result = run_cli(["bpe", "--config", config_file(tmp_path / "bpe.yaml", bpe=SMALL_BPE), "--threads", "1",
                       "--out-dir", str(tmp_path / "bpe"), str(tmp_path / "bom.en"), str(shared / "raw" / "train.de")],
                      tmp_path)
     assert result.returncode == 0, result.stderr
@@ -249,7 +251,7 @@ def test_binarize_counts_whitespace_only_lines_as_empty(shared, tmp_path):
     lines = (shared / "raw" / "train.de").read_text(encoding="utf-8").splitlines()
     (tmp_path / "blank.en").write_text("".join((" " if i % 2 else " \t ") + "\n" for i in range(len(lines))),
                                        encoding="utf-8")
-    result = run_cli(["binarize", "--binarize-json", "{}", "--split", "train", "--src", str(tmp_path / "blank.en"),
+    result = run_cli(["binarize", "--split", "train", "--src", str(tmp_path / "blank.en"),
                       "--tgt", str(shared / "raw" / "train.de"), "--spm-model", str(shared / "bpe" / "spm.model"),
                       "--out-dir", str(tmp_path / "bin")], tmp_path)
     assert f"keeps none of its {len(lines)} pairs" in refused(result)

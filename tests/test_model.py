@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import config_file
 
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig, MultiHeadAttention, Transformer, sinusoid_table
@@ -249,32 +250,30 @@ def test_paper_preset_parameter_count_is_within_7_percent_of_table_3(name, chang
     assert abs(params - paper_millions * 1e6) / (paper_millions * 1e6) < 0.07
 
 
-def test_params_cli_prints_json_rows(capsys):
-    presets = [
-        {"preset": "base", "model": {"vocab_size": 37000}, "paper_params": 65e6},
-        {"preset": "tiny", "model": tiny_config().to_dict(), "paper_params": None},
-    ]
-    assert params_main(["--json", "--preset-json", json.dumps(presets)]) == 0
+def test_params_cli_prints_json_rows(tmp_path, capsys):
+    tiny = {"n_layers": 2, "d_model": 32, "d_ff": 64, "n_heads": 4, "max_positions": 64, "steps": 10,
+            "checkpoint_steps": 5}
+    config = config_file(tmp_path / "c.yaml", models=["base", "tiny"], presets={"tiny": tiny}, bpe={"vocab_size": VOCAB})
+    assert params_main(["--json", "--config", config]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows == [
-        {"preset": "base", "params": 63_082_496, "paper_params": 65e6},
+        {"preset": "base", "params": count_parameters(ModelConfig(vocab_size=VOCAB)), "paper_params": 65e6},
         {"preset": "tiny", "params": count_parameters(tiny_config()), "paper_params": None},
     ]
 
 
 def test_params_cli_prints_a_table_with_the_difference(capsys):
-    presets = [{"preset": "base", "model": {"vocab_size": 37000}, "paper_params": 65000000}]
-    assert params_main(["--preset-json", json.dumps(presets)]) == 0
+    assert params_main(["base"]) == 0
     header, row = capsys.readouterr().out.splitlines()
     assert header.split() == ["preset", "params", "paper_params", "diff%"]
     assert row.split() == ["base", "63,082,496", "65,000,000", "-3.0"]
 
 
-def test_params_cli_reports_a_bad_preset_with_exit_status_2(capsys):
-    presets = [{"preset": "big", "model": {"vocab_size": 37000, "d_model": 1024, "n_heads": 12}}]
-    assert params_main(["--preset-json", json.dumps(presets)]) == 2
+def test_params_cli_reports_a_bad_preset_with_exit_status_2(tmp_path, capsys):
+    config = config_file(tmp_path / "c.yaml", models=["big"], presets={"big": {"n_heads": 12}})
+    assert params_main(["--config", config]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("error: presets[0] (big): n_heads = 12 does not divide d_model = 1024")
+    assert error.startswith(f"error: {config}: presets.big.n_heads = 12 does not divide d_model = 1024")
 
 
 # Learning.

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import corpus_with_bpe, data_section, tiny_preset
+from conftest import REPO, config_file, corpus_with_bpe, data_section, tiny_preset, train_settings
 
 TIMEOUT = 120
 REFUSED = "writing it would destroy that input"
@@ -64,7 +64,7 @@ def copy(shared: Path, case: Path, *names: str) -> None:
 
 
 def decode(output: str, model: str = "model.pt", spm: str = "bpe/spm.model", source: str = "raw/test.en") -> list[str]:
-    return ["decode", "--decode-json", "{}", "--model", model, "--spm-model", spm, "--input", source,
+    return ["decode", "--model", model, "--spm-model", spm, "--input", source,
             "--output", output, "--threads", "1", "--device", "cpu"]
 
 
@@ -74,6 +74,11 @@ def with_files(*names: str, made: Callable[[Path], None] = lambda case: None) ->
         copy(shared, case, *names)
         made(case)
     return setup
+
+
+def settings(name: str, **sections) -> Callable[[Path], None]:
+    """A config file of ``sections`` in the case's folder."""
+    return lambda case: config_file(case / name, **sections)
 
 
 def own_bytes(*names: str) -> Callable[[Path], None]:
@@ -106,7 +111,6 @@ class Overwrite:
 
 DECODING = ("model.pt", "bpe/spm.model", "raw/test.en")
 LOCAL = {split: {"src": f"raw/{split}.en", "tgt": f"raw/{split}.de"} for split in ("train", "dev", "test")}
-BPE = {"vocab_size": 100, "input_sentence_size": 0, "character_coverage": 1.0, "seed": 1}
 
 CASES = [
     Overwrite("decode: --output is --input, spelled ./", with_files(*DECODING), decode("./raw/test.en"),
@@ -140,20 +144,21 @@ CASES = [
               ["average", "--output", "averaged.pt", "run/checkpoints/step_00000002.pt",
                "run/checkpoints/step_00000004.pt"],
               "run/checkpoints/step_00000004.pt", ("--output averaged.pt", "a hard link")),
-    Overwrite("download: --out-dir holds its local text files", with_files("raw"),
-              ["download", "--data-json", json.dumps(data_section(local=LOCAL)), "--out-dir", "raw"],
+    Overwrite("download: --out-dir holds its local text files",
+              with_files("raw", made=settings("data.yaml", data=data_section(local=LOCAL))),
+              ["download", "--config", "data.yaml", "--out-dir", "raw"],
               "raw/train.en", ("--out-dir would write raw/train.en, which is the input data.local.train.src",)),
     Overwrite("bpe: --out-dir would write over its training text", with_files("raw", made=own_bytes("raw/spm.vocab")),
-              ["bpe", "--bpe-json", json.dumps(BPE), "--out-dir", "raw", "raw/train.en", "raw/spm.vocab"],
+              ["bpe", "--out-dir", "raw", "raw/train.en", "raw/spm.vocab"],
               "raw/spm.vocab", ("--out-dir would write raw/spm.vocab, which is the input training text",)),
     Overwrite("binarize: --out-dir, replaced as a whole, holds --spm-model",
               with_files("raw", made=own_bytes("bin/spm.model")),
-              ["binarize", "--binarize-json", json.dumps({"max_tokens": 64, "workers": 1}), "--split", "test",
+              ["binarize", "--workers", "1", "--split", "test",
                "--src", "raw/test.en", "--tgt", "raw/test.de", "--spm-model", "bin/spm.model", "--out-dir", "bin"],
               "bin/spm.model", ("--out-dir bin holds the input --spm-model bin/spm.model",
                                 "replaces that folder as a whole")),
     Overwrite("report: --out-dir would write over --dev-references", with_files(made=own_bytes("out/table3.md")),
-              ["report", "--presets-json", "{}", "--runs", "final.json", "--dev-scores", "dev.json", "--test-scores",
+              ["report", "--config", str(REPO / "config" / "config.yaml"), "--runs", "final.json", "--dev-scores", "dev.json", "--test-scores",
                "test.json", "--dev-references", "out/table3.md", "--out-dir", "out", "--no-tracking"],
               "out/table3.md", ("--out-dir would write out/table3.md, which is the input --dev-references",)),
     Overwrite("compare: --csv is the tracking store", with_files(made=own_bytes("store/mlflow.db")),
@@ -248,8 +253,8 @@ TRAIN_SECTION = {"tokens_per_step": 600, "device_tokens": 600, "log_every": 1, "
 def train_command(prepared: Path, run_dir: Path, train_data: Path, **preset) -> list[str]:
     from aiayn.config import section_defaults
 
-    return ["train", "--preset-json", json.dumps(tiny_preset(**preset)), "--seed", "1",
-            "--train-json", json.dumps({**section_defaults("train"), **TRAIN_SECTION}), "--train-data", str(train_data),
+    settings = train_settings(Path(run_dir).parent, tiny_preset(**preset), {**section_defaults("train"), **TRAIN_SECTION})
+    return ["train", *settings, "--seed", "1", "--train-data", str(train_data),
             "--spm-model", str(prepared / "bpe" / "spm.model"), "--run-dir", str(run_dir), "--no-tracking",
             "--device", "cpu", "--threads", "1"]
 
@@ -257,7 +262,8 @@ def train_command(prepared: Path, run_dir: Path, train_data: Path, **preset) -> 
 def test_a_train_that_fails_at_once_leaves_no_run_folder_or_lock(prepared, tmp_path):
     result = run_cli(train_command(prepared, tmp_path / "train" / "base", tmp_path / "missing"), tmp_path)
     assert result.returncode == 2, result.stderr.decode()
-    assert list(tmp_path.iterdir()) == []
+    left = sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*"))
+    assert left == ["train", "train/tiny.yaml"]  # the config file alone: no run folder, no lock
 
 
 def test_a_finished_train_leaves_no_lock_file(prepared, tmp_path):

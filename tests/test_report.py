@@ -70,6 +70,13 @@ def report_of(results, out, **options):
     return build_report(PRESETS, files_of(results), out, dev_references=results / "data" / "dev.de", **options)
 
 
+def config_of(folder) -> str:
+    """A config of the two presets the runs train, the paper's, two seeds each: what the report rule passes."""
+    path = folder / "c.yaml"
+    path.write_text("models: [A_heads_1, base]\nseeds: [1, 2]\n")
+    return str(path)
+
+
 def arguments(results, runs=tuple(RESULTS)) -> list[str]:
     """The report command's input arguments, as the report rule passes them."""
     files = files_of(results, runs)
@@ -192,7 +199,7 @@ def test_a_row_as_good_as_the_base_gets_a_larger_p_value_than_a_worse_one(result
 
 def test_the_base_is_the_paper_base_row_else_the_first_preset():
     assert base_preset(PRESETS) == "base"
-    assert base_preset({"x": {"paper": {"row": "A h=1"}}, "y": {}}) == "x"
+    assert base_preset({"x": {"paper": {"row": "A h=1"}}, "y": {"paper": {}}}) == "x"
 
 
 def test_the_pictures_are_png_files(results, tmp_path):
@@ -256,29 +263,29 @@ def test_the_command_writes_everything_and_logs_it_to_the_base_run(results, tmp_
     final.write_text(json.dumps({**json.loads(final.read_text()), "mlflow_run_id": run_id}))
 
     out = tmp_path / "report"
-    status = main(["--presets-json", json.dumps(PRESETS), *arguments(results), "--out-dir", str(out),
+    status = main(["--config", config_of(tmp_path), *arguments(results), "--out-dir", str(out),
                    "--bootstrap-samples", "20", "--tracking-uri", uri])
     assert status == 0
     logged = {artifact.path for artifact in client.list_artifacts(run_id, "report")}
     assert {"report/table3.csv", "report/table2.md", "report/dev_ppl.png", "report/table3_bleu.png"} <= logged
 
 
-def test_the_command_takes_config_files_as_the_presets_the_snakefile_passes(results, tmp_path):
+def test_the_command_reports_the_presets_of_its_config_files_as_the_python_api(results, tmp_path):
     from aiayn.config import load_config, resolve_presets
 
-    (tmp_path / "c.yaml").write_text("models: [A_heads_1, base]\nseeds: [1, 2]\n")
-    presets = json.dumps(resolve_presets(load_config([tmp_path / "c.yaml"])))
+    config = config_of(tmp_path)
     common = [*arguments(results), "--no-tracking", "--no-figures", "--bootstrap-samples", "0"]
-    assert main(["--presets-json", presets, *common, "--out-dir", str(tmp_path / "json")]) == 0
-    assert main(["--config", str(tmp_path / "c.yaml"), *common, "--out-dir", str(tmp_path / "files")]) == 0
+    assert main(["--config", config, *common, "--out-dir", str(tmp_path / "files")]) == 0
+    build_report(resolve_presets(load_config([config])), files_of(results), tmp_path / "api",
+                 dev_references=results / "data" / "dev.de", bootstrap_samples=0, figures=False)
     for table in ("table2.csv", "table3.csv"):
-        assert (tmp_path / "files" / table).read_text() == (tmp_path / "json" / table).read_text()
+        assert (tmp_path / "files" / table).read_text() == (tmp_path / "api" / table).read_text()
     assert "A h=1" in (tmp_path / "files" / "table3.csv").read_text()
 
 
 def test_missing_dev_translations_are_a_user_error(results, tmp_path, capsys):
     (results / "decode" / "A_heads_1" / "seed2" / "dev.de").unlink()
-    status = main(["--presets-json", json.dumps(PRESETS), *arguments(results), "--out-dir", str(tmp_path),
+    status = main(["--config", config_of(tmp_path), *arguments(results), "--out-dir", str(tmp_path),
                    "--no-tracking", "--no-figures"])
     assert status == 2
     assert "dev.de: missing" in capsys.readouterr().err
@@ -291,7 +298,7 @@ def test_the_report_reads_only_the_files_it_is_given(results, tmp_path):
     assert list(report["table3"]["seeds"]) == [1, 1]
     options = arguments(results, [("base", 1), ("A_heads_1", 1)])
     cut = options.index("--test-scores") + 1
-    status = main(["--presets-json", json.dumps(PRESETS), *options[:cut], *options[cut + 1:], "--out-dir",
+    status = main(["--config", config_of(tmp_path), *options[:cut], *options[cut + 1:], "--out-dir",
                    str(tmp_path / "other"), "--no-tracking", "--no-figures"])
     assert status == 2
     assert not (tmp_path / "other").exists()

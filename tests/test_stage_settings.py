@@ -1,6 +1,6 @@
-"""How a stage command receives its settings: every command takes ``--config FILE...`` (the stages the
-Snakefile runs also take its JSON), a value is checked once, by the schema's rule for it, where it enters
-the process, and the search's defaults are the schema's, read and not written again."""
+"""How a stage command receives its settings: every command takes ``--config FILE...`` (what every rule
+passes, and nothing else a config key holds), a value is checked once, by the schema's rule for it, where it
+enters the process, and the search's defaults are the schema's, read and not written again."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,20 +75,17 @@ def spy_on_checks(monkeypatch) -> list[str]:
 
 
 def test_decode_checks_each_setting_once_where_it_enters(monkeypatch, tmp_path, capsys):
-    """The rule's JSON (without the runtime-only keys, as output_settings passes it) and the options passed
-    apart: each value is checked once, and the typed settings built from them are not checked again."""
-    from aiayn.config import section_defaults
+    """The options given without config files: each value is checked once, and the typed settings built
+    from them are not checked again."""
     from aiayn.decode import main
 
     checked = spy_on_checks(monkeypatch)
-    section = {key: value for key, value in section_defaults("decode").items()
-               if key not in ("workers", "max_source_tokens")}
     (tmp_path / "in.en").write_text("a b\n")
-    status = main(["--decode-json", json.dumps(section), "--workers", "2", "--max-source-tokens", "99",
+    status = main(["--workers", "2", "--max-source-tokens", "99",
                    "--model", str(tmp_path / "missing.pt"), "--spm-model", str(tmp_path / "missing.model"),
                    "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "out.de")])
     assert status == 2 and "not found" in capsys.readouterr().err  # stopped at the model, after the settings
-    assert sorted(checked) == sorted([*section, "workers", "max_source_tokens"])
+    assert sorted(checked) == ["max_source_tokens", "workers"]
 
 
 def test_a_config_number_that_is_not_finite_is_refused_naming_the_file(tmp_path):
@@ -103,7 +101,7 @@ def test_an_option_given_apart_is_blamed_by_its_own_name(tmp_path, capsys):
     from aiayn.decode import main
 
     (tmp_path / "in.en").write_text("a b\n")
-    status = main(["--decode-json", "{}", "--workers", "0", "--model", "m.pt", "--spm-model", "s.model",
+    status = main(["--workers", "0", "--model", "m.pt", "--spm-model", "s.model",
                    "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "out.de")])
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("error: --workers: decode.workers = 0") and "Traceback" not in err
@@ -246,19 +244,34 @@ def test_every_command_reads_its_config_files_through_the_one_validator(command,
     assert seen == [True]  # the whole config, not a section on its own
 
 
-def test_every_rule_hands_its_stage_the_resolved_config_and_no_section_as_json():
+def rule_commands() -> dict[str, str]:
+    """Each rule file's shell command, as written (its string pieces, SETTINGS a name still)."""
+    from conftest import REPO
+
+    return {path.stem: path.read_text().split("shell:", 1)[1] for path in (REPO / "workflow" / "rules").glob("*.smk")
+            if "shell:" in path.read_text()}
+
+
+# what a rule's command may name besides the config: its files, its wildcards, the job's threads and attempt
+RUNTIME_FIELDS = re.compile(r"\{(log|threads|output(\.\w+)?|input(\.\w+)?|wildcards\.\w+|resources\.attempt|"
+                            r"params\.(out_dir|run_dir|checkpoint_dir|base))(:q)?\}")
+
+
+def test_every_rule_hands_its_stage_the_resolved_config_and_no_config_value_apart():
     """The Snakefile reads the config through the door (read_config) and writes it resolved (SETTINGS); every
-    rule whose stage reads settings passes that file, none a section as JSON."""
+    rule passes that file and, besides it, only its files, wildcards and the job's threads and attempt."""
     from conftest import REPO
 
     common = (REPO / "workflow" / "rules" / "common.smk").read_text()
     assert "read_config(merged=config" in common and "SETTINGS = f\"{RESULTS}/config/resolved.yaml\"" in common
     assert "write_resolved(config, SETTINGS)" in common
-    for rule in ("data", "bpe", "binarize", "train", "decode", "report"):
-        text = (REPO / "workflow" / "rules" / f"{rule}.smk").read_text()
-        assert "f\"--config {SETTINGS} \"" in text, rule  # formatted when parsed: a module's shell cannot see SETTINGS
-    for path in (REPO / "workflow" / "rules").glob("*.smk"):
-        assert "-json" not in path.read_text(), path.name
+    commands = rule_commands()
+    assert sorted(commands) == ["average", "binarize", "bpe", "data", "decode", "export", "report", "score", "train"]
+    for rule, command in commands.items():
+        assert "f\"--config {SETTINGS} \"" in command, rule  # formatted when parsed: a module's shell cannot see SETTINGS
+        fields = re.findall(r"\{[^{}]*\}", command.replace("{SETTINGS}", ""))
+        assert [field for field in fields if not RUNTIME_FIELDS.fullmatch(field)] == [], rule
+        assert "-json" not in command, rule
 
 
 def test_the_resolved_config_reads_back_as_the_config_it_was_written_from(tmp_path):
@@ -303,7 +316,7 @@ def test_an_option_beside_the_config_files_is_checked_by_the_schemas_rule_and_na
     """Given beside --config's files (which set the key well) or without them, a wrong value is refused by the
     schema's rule for its key, exit 2, with the option named; nothing is run."""
     config = write(tmp_path / "c.yaml", FILE_SETTINGS)
-    settings = ["--config", config] if files else (["--binarize-json", "{}"] if command == "binarize" else [])
+    settings = ["--config", config] if files else []
     argv = [command, *settings, *[a.format(tmp=tmp_path) for a in LEAST[command]], f"{option}={value}"]
     assert cli.main(argv) == 2
     error = capsys.readouterr().err
@@ -313,14 +326,8 @@ def test_an_option_beside_the_config_files_is_checked_by_the_schemas_rule_and_na
 
 # command, the option's dest, the option and a good value (as typed, as parsed), the key, the files' value of it
 GOOD_OPTIONS = [
-    ("average", "dev_tokens", "--dev-tokens", "123", 123, "train.device_tokens", 999),
-    ("average", "precision", "--precision", "bf16", "bf16", "train.precision", "fp32"),
-    ("average", "choose", "--choose", "paper", "paper", "average.choose", "dev"),
-    ("score", "lang", "--lang", "fr", "fr", "data.tgt_lang", "it"),
     ("compare", "experiment", "--experiment", "other", "other", "experiment", "fromfile"),
     ("compare", "tracking_uri", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db", "tracking_uri",
-     "sqlite:///fromfile.db"),
-    ("report", "tracking_uri", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db", "tracking_uri",
      "sqlite:///fromfile.db"),
     ("demo", "seed", "--seed", "5", 5, "data.demo.seed", 3),
 ]
@@ -356,6 +363,40 @@ def test_a_good_option_beside_the_config_files_wins_and_one_left_out_does_not(co
     for part in key.split("."):
         node = node[part]
     assert node == expected
+
+
+# command, its settings class and field, the option and a good value (as typed, as read), the files' value of it
+SETTINGS_OPTIONS = [
+    ("average", "AverageSettings", "dev_tokens", "--dev-tokens", "123", 123, 999),
+    ("average", "AverageSettings", "precision", "--precision", "bf16", "bf16", "fp32"),
+    ("average", "AverageSettings", "choose", "--choose", "paper", "paper", "dev"),
+    ("average", "AverageSettings", "last", "--last", "2", 2, 5),  # base's average_last
+    ("score", "ScoreSettings", "lang", "--lang", "fr", "fr", "it"),
+    ("report", "ReportSettings", "tracking_uri", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db",
+     "sqlite:///fromfile.db"),
+]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given", "left_out"])
+@pytest.mark.parametrize("command, name, field, option, typed, value, from_file", SETTINGS_OPTIONS)
+def test_a_stages_settings_object_holds_the_option_given_else_the_files_value(command, name, field, option, typed,
+                                                                             value, from_file, given, tmp_path,
+                                                                             monkeypatch):
+    """The stage builds its one settings object through the door: an option given beside the files wins, one
+    left out leaves the files' value."""
+    settings_class = getattr(importlib.import_module(cli.COMMANDS[command][0]), name)
+    real, seen = settings_class.from_arguments.__func__, []
+
+    def spy(cls, args):
+        seen.append(real(cls, args))
+        raise Entered
+
+    monkeypatch.setattr(settings_class, "from_arguments", classmethod(spy))
+    config = write(tmp_path / "c.yaml", FILE_SETTINGS)
+    argv = ["--config", config, *[a.format(tmp=tmp_path) for a in LEAST[command]]]
+    with pytest.raises(Entered):
+        cli.run(command, argv + ([option, typed] if given else []))
+    assert getattr(seen[0], field) == (value if given else from_file)
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["given", "left_at_default"])

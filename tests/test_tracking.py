@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import tiny_preset
+from conftest import tiny_preset, train_settings
 
 from aiayn.config import section_defaults
 from aiayn.tracking import Tracker, experiment_id_for, git_tags, open_client
@@ -40,8 +40,8 @@ def free_port() -> int:
 
 
 def train_command(prepared: Path, run_dir: Path, preset: dict, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "aiayn.train", "--preset-json", json.dumps(preset),
-            "--train-json", json.dumps(TRAIN_SECTION), "--seed", "1", "--train-data", str(prepared / "bin" / "train"),
+    return [sys.executable, "-m", "aiayn.train", *train_settings(Path(run_dir).parent, preset, TRAIN_SECTION),
+            "--seed", "1", "--train-data", str(prepared / "bin" / "train"),
             "--spm-model", str(prepared / "bpe" / "spm.model"), "--run-dir", str(run_dir), "--device", "cpu",
             "--threads", "1", "--experiment", "tests", *extra]
 

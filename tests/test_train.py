@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 import math
 import os
 import signal
@@ -12,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import tiny_preset
+from conftest import tiny_preset, train_settings
 import torch
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, window_steps
@@ -326,10 +327,9 @@ def test_real_tokens_per_step_are_counted_and_reported(prepared, tmp_path):
 
 
 def _train_command(prepared, run_dir, preset, section, *extra):
-    return [sys.executable, "-m", "aiayn.train", "--preset-json", json.dumps(preset), "--seed", "1",
+    return [sys.executable, "-m", "aiayn.train", *train_settings(Path(run_dir).parent, preset, section), "--seed", "1",
             "--train-data", str(prepared / "bin" / "train"), "--spm-model", str(prepared / "bpe" / "spm.model"),
-            "--no-tracking", "--device", "cpu", "--threads", "1", "--train-json", json.dumps(section),
-            "--run-dir", str(run_dir), *extra]
+            "--no-tracking", "--device", "cpu", "--threads", "1", "--run-dir", str(run_dir), *extra]
 
 
 def _run(command, timeout=300):

@@ -123,9 +123,15 @@ def run_stage(name: str, command: list[str], log: Path, env: dict | None = None)
             "peak_anonymous_mb": round(peak_anonymous / 1e6)}
 
 
-def data_json(local: dict | None = None, hub: dict | None = None) -> str:
-    return json.dumps({"source": "hub" if hub else "local", "src_lang": "en", "tgt_lang": "de", "max_chars": 1000,
-                       "max_length_ratio": None, "hub": hub or {}, "local": local or {}, "demo": {}})
+def data_section(local: dict | None = None, hub: dict | None = None) -> dict:
+    return {"source": "hub" if hub else "local", "src_lang": "en", "tgt_lang": "de", "max_chars": 1000,
+            "max_length_ratio": None, "hub": hub or {}, "local": local or {}, "demo": {}}
+
+
+def config(path: Path, **sections) -> list[str]:
+    """``--config FILE`` for a stage: a config file at ``path`` holding ``sections`` (JSON, which is YAML)."""
+    path.write_text(json.dumps({"models": ["base"], **sections}), encoding="utf-8")
+    return ["--config", str(path)]
 
 
 def write_hub_folder(folder: Path, train_parquet: Path, small: dict) -> dict:
@@ -204,14 +210,14 @@ def main(argv=None) -> int:
 
         if "download-parquet" in args.stages:
             measure("download (local parquet)", [
-                "download", "--data-json", data_json({"train": {"parquet": str(folder / "train.parquet")},
-                                                      "dev": small, "test": small}),
+                "download", *config(folder / "data-parquet.json", data=data_section(
+                    {"train": {"parquet": str(folder / "train.parquet")}, "dev": small, "test": small})),
                 "--out-dir", str(folder / "data-parquet")], "download-parquet.log")
             shutil.rmtree(folder / "data-parquet")
         if "download-hub" in args.stages:
             hub = write_hub_folder(folder / "hub", folder / "train.parquet", small)
             measure("download (hub source: datasets on a local folder in the hub's layout)", [
-                "download", "--data-json", data_json(hub=hub), "--out-dir", str(folder / "data-hub")],
+                "download", *config(folder / "data-hub.json", data=data_section(hub=hub)), "--out-dir", str(folder / "data-hub")],
                 "download-hub.log",
                 {"HF_DATASETS_CACHE": str(folder / "hf-cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
             for path in (folder / "data-hub", folder / "hf-cache", folder / "hub"):
@@ -220,8 +226,8 @@ def main(argv=None) -> int:
         train = (src, tgt)  # the stages after download read the download's output where it was measured
         if "download-text" in args.stages:
             measure("download (local text)", [
-                "download", "--data-json", data_json({"train": {"src": str(src), "tgt": str(tgt)},
-                                                      "dev": small, "test": small}),
+                "download", *config(folder / "data-text.json", data=data_section(
+                    {"train": {"src": str(src), "tgt": str(tgt)}, "dev": small, "test": small})),
                 "--out-dir", str(folder / "data")], "download.log")
             train = (folder / "data" / "train.en", folder / "data" / "train.de")
         spm_model = folder / "bpe" / "spm.model"
@@ -229,12 +235,13 @@ def main(argv=None) -> int:
             bpe = {"vocab_size": args.vocab, "input_sentence_size": args.input_sentence_size,
                    "character_coverage": 1.0, "seed": 1}
             name = "bpe" if "bpe" in args.stages else "bpe (for binarize, not measured)"
-            result = measure(name, ["bpe", "--bpe-json", json.dumps(bpe), "--threads", str(os.cpu_count()),
+            result = measure(name, ["bpe", *config(folder / "bpe.json", bpe=bpe), "--threads", str(os.cpu_count()),
                                     "--out-dir", str(folder / "bpe"), str(train[0]), str(train[1])], "bpe.log")
             result["word_types"] = results["word_types"]
         for workers in args.workers if "binarize" in args.stages else []:
             result = run_stage(f"binarize ({workers} process{'es' if workers > 1 else ''})", aiayn + [
-                "binarize", "--binarize-json", json.dumps({"max_tokens": 250, "workers": workers}), "--split", "train",
+                "binarize", *config(folder / "binarize.json", binarize={"max_tokens": 250, "workers": workers}), "--split",
+                "train",
                 "--workers", str(workers), "--src", str(train[0]),
                 "--tgt", str(train[1]), "--spm-model", str(spm_model),
                 "--out-dir", str(folder / f"bin{workers}")], folder / f"binarize{workers}.log")

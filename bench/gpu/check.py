@@ -150,7 +150,9 @@ def recipe(args: argparse.Namespace) -> int:
 
 
 def ddp(args: argparse.Namespace) -> int:
-    from aiayn.config import load_config, resolve_preset, to_json
+    import yaml
+
+    from aiayn.config import load_config, resolve_preset
 
     workdir = args.workdir
     config = load_config([workdir / path for path in args.configs])
@@ -161,7 +163,11 @@ def ddp(args: argparse.Namespace) -> int:
     preset.update(steps=args.steps, checkpoint_steps=args.steps, keep_checkpoints=1, gpus=args.procs)
     # the processes share the node's GPU(s) on purpose: this part checks DDP's arithmetic, not its speed
     train = {**config["train"], "dev_every": 0, "log_every": args.steps, "device": args.device, "share_gpus": True}
-    common = [sys.executable, "-m", "aiayn.train", "--preset-json", to_json(preset), "--train-json", to_json(train),
+    settings = workdir / "ddp" / "config.yaml"  # the preset and the train section, as a config
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(yaml.safe_dump({"models": [args.preset], "presets": {args.preset: {
+        key: value for key, value in preset.items() if key != "name"}}, "train": train}), encoding="utf-8")
+    common = [sys.executable, "-m", "aiayn.train", "--config", str(settings), "--preset", args.preset,
               "--seed", "1", "--train-data", str(results / "bin" / "train"),
               "--spm-model", str(results / "bpe" / "spm.model"), "--no-tracking", "--threads", str(args.threads)]
     per_step = {}

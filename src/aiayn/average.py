@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aiayn.checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, last_checkpoints, list_checkpoints, load_checkpoint,
                               save_model)
-from aiayn.config import parse_with_config, schema_default
+from aiayn.config import schema_default
 from aiayn.errors import UserError, cli
 from aiayn.memory import tokens_argument
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
@@ -133,13 +134,53 @@ def average_checkpoints(paths: list[str | os.PathLike]) -> dict:
     }
 
 
-@cli
-def main(argv=None):
+@dataclass(frozen=True)
+class AverageSettings:
+    """What the stage reads of a config, built once: the window to average, how the dev comparison runs
+    (as training evaluates dev batches), the model it writes, and where the run is tracked."""
+
+    last: int | None  # the last K window checkpoints of --checkpoint-dir (None: the files listed)
+    choose: str  # average.choose
+    precision: str  # train.precision, of the dev evaluation
+    dev_tokens: int | str  # train.device_tokens, a side of one dev batch
+    tracking_uri: str
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> AverageSettings:
+        """Through the door: --config's files (else the schema's defaults), with the options given beside them
+        in place of their keys; --last, else with --checkpoint-dir the run's preset's average_last (--preset,
+        or the config's one model)."""
+        from aiayn.config import read_config, resolve_preset
+
+        options = {key: (option, getattr(args, dest)) for dest, (option, key) in OPTION_KEYS.items()}
+        if args.config is None and args.precision is None:  # no run's precision to follow: the exact evaluation
+            options["train.precision"] = ("--precision", "fp32")
+        config = read_config(args.config, None, options)
+        if args.preset is not None and args.config is None:
+            raise UserError("--preset names a preset of --config's files; give --config FILE... too")
+        last, listed = args.last, args.checkpoint_dir is None  # listed files are averaged as they are
+        name = args.preset or (config["models"][0] if args.config and len(config["models"]) == 1 else None)
+        if name is not None:
+            average_last = resolve_preset(config, name, args.config)["average_last"]  # which checks the name, too
+            last = average_last if last is None and not listed else last
+        elif args.config and last is None and not listed:
+            raise UserError(f"--config: the config has {len(config['models'])} models; name the run's with --preset "
+                            f"(one of {', '.join(config['models'])}), or give --last K")
+        return cls(last=last, choose=config["average"]["choose"], precision=config["train"]["precision"],
+                   dev_tokens=config["train"]["device_tokens"], tracking_uri=config["tracking_uri"])
+
+
+# the options that set a config key (dest -> option, key): checked by the schema's rule for it, winning over --config
+OPTION_KEYS = {"precision": ("--precision", "train.precision"), "dev_tokens": ("--dev-tokens", "train.device_tokens"),
+               "choose": ("--choose", "average.choose"), "tracking_uri": ("--tracking-uri", "tracking_uri")}
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn average", description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", metavar="FILE",
-                        help="config files (merged in order, validated once): --last is --preset's average_last, "
-                             "--precision and --dev-tokens the `train` section's, --choose average.choose; an "
-                             "option given here wins")
+                        help="config files (merged in order, validated once; default: the schema's defaults): --last "
+                             "is --preset's average_last, --precision and --dev-tokens the `train` section's, --choose "
+                             "average.choose; an option given here wins")
     parser.add_argument("--preset", help="with --config: the run's preset (default: the config's model, if one)")
     parser.add_argument("--output", required=True, type=Path,
                         help="the model file to write: the average, or the last checkpoint (see --choose)")
@@ -147,33 +188,37 @@ def main(argv=None):
     parser.add_argument("--checkpoint-dir", type=Path, help="directory of step_*.pt checkpoints (with --last)")
     parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
                         help="tag the training run that final.json names with the averaged steps (MLflow)")
-    parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking_uri's)")
     parser.add_argument("--dev-data", type=Path, metavar="DIR",
                         help="a binarized dev split: compare the averaged model with the last checkpoint on it")
     parser.add_argument("--summary", type=Path, help=f"a JSON file for that comparison (the DAG writes "
                         f"{AVERAGE_SUMMARY} beside the model)")
     parser.add_argument("--device", default="auto", help="auto (a GPU where torch sees one), cpu or cuda")
-    parser.add_argument("--precision", default="fp32", metavar="fp32|bf16|fp16|auto",
-                        help="of the dev evaluation, as train.precision (default: fp32)")
-    parser.add_argument("--dev-tokens", type=tokens_argument, default=schema_default("train.device_tokens"),
-                        metavar="N|auto", help="tokens a side in one dev batch, as train.device_tokens (default: "
-                                               "%(default)s, the schema's)")
-    parser.add_argument("--choose", default=schema_default("average.choose"), metavar="dev|paper",
+    parser.add_argument("--precision", metavar="fp32|bf16|fp16|auto",
+                        help="of the dev evaluation (default: --config's train.precision; without --config, fp32)")
+    parser.add_argument("--dev-tokens", type=tokens_argument, metavar="N|auto",
+                        help=f"tokens a side in one dev batch (default: train.device_tokens', "
+                             f"{schema_default('train.device_tokens')})")
+    parser.add_argument("--choose", metavar="dev|paper",
                         help="with --dev-data, the model written: dev, the last checkpoint where the average is worse "
                              "on dev by more than noise, else the average; paper, the average always (default: "
-                             "%(default)s, the schema's average.choose)")
+                             f"average.choose's, {schema_default('average.choose')})")
     parser.add_argument("checkpoints", nargs="*", type=Path, help="checkpoint or model files to average")
-    args, _ = parse_with_config(parser, argv, _config_defaults, OPTION_KEYS)
-    if args.preset is not None and args.config is None:
-        raise UserError("--preset names a preset of --config's files; give --config FILE... too")
-    if (args.last is None) != (args.checkpoint_dir is None):
+    return parser
+
+
+@cli
+def main(argv=None):
+    args = arguments().parse_args(argv)
+    settings = AverageSettings.from_arguments(args)
+    if (settings.last is None) != (args.checkpoint_dir is None):
         raise UserError("--last K and --checkpoint-dir DIR go together; give both, or list checkpoint files instead")
-    if args.last is not None and args.checkpoints:
+    if settings.last is not None and args.checkpoints:
         raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
-    paths = last_checkpoints(args.checkpoint_dir, args.last) if args.last is not None else args.checkpoints
+    paths = last_checkpoints(args.checkpoint_dir, settings.last) if settings.last is not None else args.checkpoints
     # every checkpoint of --checkpoint-dir, not only the last K: replacing any would break the run's resume
     run_checkpoints = ([path for _, path in list_checkpoints(args.checkpoint_dir, safety=True)]
-                       if args.last is not None else [])
+                       if settings.last is not None else [])
     outputs = {"--output": args.output, **({"--summary": args.summary} if args.summary else {})}
     refuse_overwriting_inputs(outputs, {"checkpoint": paths, "--checkpoint-dir": run_checkpoints,
                                         "--log-to-run": args.log_to_run, "--dev-data": args.dev_data,
@@ -187,12 +232,12 @@ def main(argv=None):
     # before the work: a folder named as the output, say, is refused at once; its folder is made only
     # when the model is written, so that a failed average leaves none
     prepare_output(args.output, create=False)
-    if args.last is not None and len(paths) < args.last:
-        print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {args.last} (the run ended "
+    if settings.last is not None and len(paths) < settings.last:
+        print(f"note: {args.checkpoint_dir} has {len(paths)} window checkpoints, not {settings.last} (the run ended "
               "early, e.g. at train.max_minutes); averaging those", file=sys.stderr)
     model = average_checkpoints(paths)
     steps = ", ".join(str(step) for step in model["averaged_steps"])
-    comparison = dev_comparison(model, paths[-1], args) if args.dev_data else None
+    comparison = dev_comparison(model, paths[-1], args, settings) if args.dev_data else None
     last_chosen = comparison is not None and comparison["reported"] == "last"
     if last_chosen:
         model = model_file(paths[-1])
@@ -209,37 +254,14 @@ def main(argv=None):
             tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
             # a param, as asked of MLflow's runs view; the tag keeps the latest where a rerun chose anew
             params["reported_model"] = tags["reported_model"] = comparison["reported_model"]
-        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics=metrics, params=params, tags=tags)
-
-
-# the options that set a config key: checked by the schema's rule for it, and winning over --config's files
-OPTION_KEYS = {"precision": "train.precision", "dev_tokens": "train.device_tokens", "choose": "average.choose",
-               "tracking_uri": "tracking_uri"}
-
-
-def _config_defaults(config: dict, args: argparse.Namespace) -> dict:
-    """The options --config sets: with --checkpoint-dir, the preset's average_last (with --preset, or the config's
-    one model); how the `train` section evaluates dev batches; average.choose."""
-    from aiayn.config import resolve_preset
-
-    defaults = {"precision": config["train"]["precision"], "dev_tokens": config["train"]["device_tokens"],
-                "tracking_uri": config["tracking_uri"], "choose": config["average"]["choose"]}
-    name = args.preset or (config["models"][0] if len(config["models"]) == 1 else None)
-    if name is not None:
-        average_last = resolve_preset(config, name, args.config)["average_last"]  # which checks the name, too
-        if args.checkpoint_dir is not None:  # listed files are averaged as they are
-            defaults["last"] = average_last
-    elif args.last is None and args.checkpoint_dir is not None:
-        raise UserError(f"--config: the config has {len(config['models'])} models; name the run's with --preset "
-                        f"(one of {', '.join(config['models'])}), or give --last K")
-    return defaults
+        log_to_existing_run(args.log_to_run, settings.tracking_uri, metrics=metrics, params=params, tags=tags)
 
 
 DEV_METRICS = ("dev_ppl_last", "dev_ppl_averaged", "dev_nll_last", "dev_nll_averaged", "dev_nll_difference",
                "dev_nll_noise")
 
 
-def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> dict:
+def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace, settings: AverageSettings) -> dict:
     """The averaged model against the last file averaged (with --last, the run's last step) on the dev
     split, and the model --choose takes (``reported``, ``reported_model``): printed, with one line where
     that is the last checkpoint, or a warning where the average is worse but kept (--choose paper)."""
@@ -249,11 +271,11 @@ def dev_comparison(model: dict, last_path: Path, args: argparse.Namespace) -> di
     from aiayn.model import ModelConfig
 
     device = choose_device(args.device)
-    dev_tokens = resolve_device_tokens(args.dev_tokens, device, ModelConfig.from_dict(model["model_config"]),
-                                       args.precision, ceiling=CPU_DEVICE_TOKENS)
-    comparison = compare_on_dev(model, last_path, args.dev_data, device, args.precision, dev_tokens)
-    reported = chosen(comparison, args.choose)
-    comparison.update(choose=args.choose, reported=reported, reported_model=reported_model(comparison, reported))
+    dev_tokens = resolve_device_tokens(settings.dev_tokens, device, ModelConfig.from_dict(model["model_config"]),
+                                       settings.precision, ceiling=CPU_DEVICE_TOKENS)
+    comparison = compare_on_dev(model, last_path, args.dev_data, device, settings.precision, dev_tokens)
+    reported = chosen(comparison, settings.choose)
+    comparison.update(choose=settings.choose, reported=reported, reported_model=reported_model(comparison, reported))
     print(f"dev perplexity: averaged {comparison['dev_ppl_averaged']:.3f}, last checkpoint "
           f"{comparison['dev_ppl_last']:.3f} ({last_path.name})")
     if reported == "last":

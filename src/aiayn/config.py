@@ -82,23 +82,6 @@ class GivenOptions(ConfigOverrides):
         return str(self)
 
 
-class InlineSection(ConfigOverrides):
-    """A section given on the command line as JSON (``--decode-json``), as a config source named by its option."""
-
-    def __new__(cls, option: str, section: str, text: str) -> "InlineSection":
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{option} is not valid JSON ({error})") from None
-        source = str.__new__(cls, option)
-        source.values = {section: values}
-        source.option = option
-        return source
-
-    def blame(self, key_path: Sequence[Any]) -> str:
-        return self.option
-
-
 def _source_values(source: str) -> Any:
     """What one source sets: an override's values, a file's mapping (None where it cannot be read)."""
     if isinstance(source, ConfigOverrides):
@@ -268,43 +251,6 @@ def check_heads(n_heads: int, d_model: int, d_head: int | None, setting: str = "
         )
 
 
-def check_resolved_preset(preset: Any, source: str) -> None:
-    """A resolved preset given on its own (``--preset-json``) is checked as a config's preset is: every key
-    set, and each value by the schema's one validator (``check_preset_values``)."""
-    if not isinstance(preset, dict):
-        raise UserError(f"{source}: a preset is a mapping of keys to values, got {type(preset).__name__}")
-    missing = [key for key in PRESET_KEYS if key not in preset]
-    if missing:
-        raise UserError(f"{source}: the preset does not set {', '.join(missing)} (pass a resolved preset: every "
-                        "key of config/README.md's preset table)")
-    check_preset_values(preset, source)
-
-
-def check_preset_values(preset: Any, source: str) -> None:
-    """The values a preset given as JSON sets, each by the schema's one validator against ``$defs.preset``
-    (``warmup_steps: 0`` is refused here, not met as a division by zero at step 1); it may carry its ``name``."""
-    definitions = schema.parsed()["$defs"]
-    node = {"$defs": definitions, **definitions["preset"]}
-    node["properties"] = {**node["properties"], "name": {"type": "string"}}
-    error = schema.first_error(node, preset)
-    if error is not None:
-        raise UserError(schema.error_message(error, lambda path: source))
-
-
-def presets_from_json(text: str, option: str) -> dict:
-    """Resolved presets by name, given as JSON (``aiayn report --presets-json``), each preset's values checked
-    (``check_preset_values``: the report reads only some of their keys, so none is required)."""
-    try:
-        presets = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{option} is not valid JSON ({error})") from None
-    if not isinstance(presets, dict) or not presets:
-        raise UserError(f"{option}: give resolved presets by name, a mapping of names to presets")
-    for name, preset in presets.items():
-        check_preset_values(preset, f"{option} {name}")
-    return presets
-
-
 def model_fields(preset: dict) -> dict:
     """The ModelConfig fields of a resolved preset (the vocabulary size comes from the BPE stage).
 
@@ -319,41 +265,38 @@ def to_json(obj: Any) -> str:
 
 
 def add_config_arguments(parser, section: str) -> None:
-    """Stages read their config section from config files (what the Snakefile passes: the resolved config)
-    or, by hand, take it as JSON."""
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--config", nargs="+", metavar="FILE", help="config files, merged in order and validated")
-    group.add_argument(f"--{section}-json", dest="section_json", metavar="JSON",
-                       help=f"the `{section}` section as JSON (by hand)")
+    """A stage's settings: config files (what the Snakefile passes, the resolved config), else the schema's
+    defaults; an option the stage also takes for a key of theirs wins over both (``section_from_arguments``)."""
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help=f"config files, merged in order and validated: their `{section}` section "
+                             "(default: the schema's)")
 
 
 def read_config(files: Sequence[str | Path] | None = None, section: str | None = None,
-                options: dict | None = None, *, inline: InlineSection | None = None,
-                merged: dict | None = None, sources: Sequence[str] | None = None) -> dict:
+                options: dict | None = None, *, merged: dict | None = None,
+                sources: Sequence[str] | None = None) -> dict:
     """The one door through which every stage, and the Snakefile, reads its settings.
 
     Merges the config ``files`` in order (or takes the config Snakemake ``merged`` from ``sources``), puts
     the ``options`` given beside them in place of their keys (dotted key -> (option, value); see
     ``GivenOptions``), validates the whole once with the schema's one validator, fills the schema's
     defaults, resolves the presets, and returns ``section`` of it (the whole config without one). Without
-    files, ``section`` stands on the schema's defaults (or on ``inline``, a section given as JSON): it is
-    validated alone, as it would be in a config. A message names the file, override or option that set
-    the wrong value.
+    files, ``section`` stands on the schema's defaults, with the options given for it: it is validated
+    alone, as it would be in a config; the whole config is then every key that has a default, each read
+    so. A message names the file, override or option that set the wrong value.
     """
     given = GivenOptions(options or {})
     if merged is None and not files:
-        values = inline.values[section] if inline is not None else {}
-        if not isinstance(given.values.get(section, {}), dict):  # a top-level key (tracking_uri), given alone
-            values = given.values[section]
-        elif isinstance(values, dict):  # else the schema's message names it
-            values = merge(values, given.values.get(section, {}))
-        named = [source for source in (inline, given if given.values else None) if source is not None] or ["defaults"]
+        if section is None:
+            return {key: read_config(None, key, options) for key, node in schema.parsed()["properties"].items()
+                    if "default" in node}
+        values = copy.deepcopy(given.values.get(section, schema.default(section)))
+        named = [given] if section in given.values else ["defaults"]
         error = schema.first_error(schema.section_schema(section), values, [section])
         if error is not None:
             raise UserError(_schema_error_message(error, named))
         if section == "data":
             _check_data_source(values, lambda key: _defined_in(["data", key], named))
-        values = copy.deepcopy(values)
         schema.fill_defaults(schema.section_schema(section), values)
         return values
     config, sources = (merged, list(sources or [])) if merged is not None else ({}, [str(path) for path in files])
@@ -365,6 +308,12 @@ def read_config(files: Sequence[str | Path] | None = None, section: str | None =
         sources.append(given)
     config = check_config(config, sources)
     return config if section is None else config[section]
+
+
+def config_from_arguments(args, keys: dict) -> dict:
+    """The whole config a command reads, through the door: its --config files (else the schema's defaults),
+    each option of ``keys`` (dest -> (option, dotted key)) that the command line gives in place of its key."""
+    return read_config(args.config, None, {key: (option, getattr(args, dest)) for dest, (option, key) in keys.items()})
 
 
 def write_resolved(config: dict, path: str | Path) -> str:
@@ -381,8 +330,8 @@ def write_resolved(config: dict, path: str | Path) -> str:
 
 
 def parse_with_config(parser, argv, defaults, keys: dict | None = None) -> tuple[Any, dict | None]:
-    """``parser``'s options, where a stage takes ``--config FILE...`` beside options the Snakefile passes
-    one by one: the config read through the door (or None without files) and the options parsed with
+    """``parser``'s options, where a command takes ``--config FILE...`` beside options that set its keys
+    (``aiayn compare --experiment``): the config read through the door (or None without files) and the options parsed with
     their defaults taken from it (``defaults(config, args)``: option dest -> value). ``keys`` maps the dest
     of an option that sets a config key to that dotted key (``"choose": "average.choose"``): given on the
     command line, it goes through the door beside the files (checked by the schema's rule for its key, a
@@ -407,10 +356,6 @@ def parse_with_config(parser, argv, defaults, keys: dict | None = None) -> tuple
 
 
 def section_from_arguments(args, section: str, options: dict | None = None) -> dict:
-    """The section a stage reads, through the door: from --config's files or --<section>-json, with the
+    """The section a stage reads, through the door: --config's files' (else the schema's defaults), with the
     ``options`` given beside them (key in the section -> (option, value)) in place of their keys."""
-    options = {f"{section}.{key}": pair for key, pair in (options or {}).items()}
-    if args.section_json is not None:
-        return read_config(None, section, options, inline=InlineSection(f"--{section}-json", section,
-                                                                         args.section_json))
-    return read_config(args.config, section, options)
+    return read_config(args.config, section, {f"{section}.{key}": pair for key, pair in (options or {}).items()})

@@ -299,10 +299,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_runtime_arguments(parser)
     parser.add_argument("--input", required=True, help="source text, one sentence a line")
     parser.add_argument("--output", required=True, help="where to write the translations, one a line")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="overrides decode.workers (the Snakefile passes it apart: it changes no output)")
-    parser.add_argument("--max-source-tokens", type=int, default=None,
-                        help="overrides decode.max_source_tokens (passed apart, as --workers is)")
+    parser.add_argument("--workers", type=int, help="overrides decode.workers")
+    parser.add_argument("--max-source-tokens", type=int, help="overrides decode.max_source_tokens")
     args = parser.parse_args(argv)
     refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
                               {"--input": args.input, "--model": args.model, "--spm-model": args.spm_model,

@@ -193,18 +193,15 @@ def arguments() -> argparse.ArgumentParser:
                                       f"(default: none; with --dev-count {DEV_SENTENCES})")
     parser.add_argument("--dev-count", type=int, default=DEV_SENTENCES,
                         help=f"how many of --dev's sentences (default: {DEV_SENTENCES})")
-    settings = parser.add_mutually_exclusive_group()
-    settings.add_argument("--config", nargs="+", metavar="FILE",
-                          help="config files whose `decode` section sets the search (default: the schema's)")
-    settings.add_argument("--decode-json", dest="section_json", metavar="JSON",
-                          help="the `decode` section as JSON")
+    parser.add_argument("--config", nargs="+", metavar="FILE",
+                        help="config files whose `decode` section sets the search (default: the schema's)")
     parser.add_argument("--out", required=True, help="the HTML page to write")
     return parser
 
 
 @cli
 def main(argv: Sequence[str] | None = None) -> None:
-    from aiayn.config import InlineSection, read_config
+    from aiayn.config import read_config
     from aiayn.decode import DecodeSettings
     from aiayn.device import choose_device
     from aiayn.writing import prepare_output, refuse_overwriting_inputs
@@ -220,8 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.sentence is not None and not all(sentence.strip() for sentence in args.sentence):
         raise UserError("--sentence: a blank sentence has no attention to show; give words")
     prepare_output(args.out, create=False)  # refused before the model is loaded, not after
-    inline = InlineSection("--decode-json", "decode", args.section_json) if args.section_json is not None else None
-    settings = DecodeSettings.from_section(read_config(args.config, "decode", inline=inline))
+    settings = DecodeSettings.from_section(read_config(args.config, "decode"))
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads {args.threads} must be at least 1")

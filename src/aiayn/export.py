@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 
 from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from aiayn.config import parse_with_config
 from aiayn.errors import UserError, cli
 from aiayn.model import Transformer, sinusoid_table
-from aiayn.search import paper_search
+from aiayn.search import SearchConfig
 
 FORMATS = ("ctranslate2", "huggingface")
 # CTranslate2 4.8's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES).
@@ -223,12 +222,11 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
 
 
 def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str | Path,
-                       beam_size: int | None = None) -> Path:
+                       search: SearchConfig | None = None) -> Path:
     """Write `model` and its SentencePiece vocabulary as a MarianMTModel / MarianTokenizer folder.
 
-    The generation defaults are the search of `aiayn decode` where Marian can express it: ``beam_size``
-    (default: the schema's decode.beam_size, the paper's), pad and BOS
-    never generated, EOS forced at the length limit (transformers' length penalty is len ** alpha,
+    The generation defaults are the search of `aiayn decode` where Marian can express it: ``search``'s beam
+    (default: the schema's decode section, the paper's), pad and BOS never generated, EOS forced at the length limit (transformers' length penalty is len ** alpha,
     not ours, so it is left at transformers' default).
     """
     from aiayn.writing import atomic_path
@@ -272,7 +270,7 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
     marian.generation_config = GenerationConfig(
         decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=positions,
-        num_beams=beam_size or paper_search()["beam_size"],  # as `aiayn decode` searches: decode.beam_size
+        num_beams=(search or SearchConfig()).beam_size,  # as `aiayn decode` searches: decode.beam_size
     )
     with atomic_path(out_dir, directory=True) as tmp:
         marian.save_pretrained(tmp)
@@ -298,7 +296,7 @@ def arguments() -> argparse.ArgumentParser:
                         help=f"a new folder to write (or a previous export, which holds {EXPORT_MARKER} and is replaced)")
     parser.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order, validated once): huggingface's generation config "
-                             "searches with their decode.beam_size (default: the schema's)")
+                             "searches with their decode.beam_size (default: the schema's, the paper's)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="ctranslate2 only: the engine's weight type (default: float32, as trained)")
     return parser
@@ -308,9 +306,11 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     from aiayn.bpe import load_processor
     from aiayn.checkpoint import load_model
+    from aiayn.config import read_config
     from aiayn.writing import prepare_output, refuse_overwriting_inputs, refuse_replacing_a_folder
 
-    args, config = parse_with_config(arguments(), argv, lambda config, _: {})
+    args = arguments().parse_args(argv)
+    search = SearchConfig.from_section(read_config(args.config, "decode"))  # the decode stage's search
     if args.quantization is not None and args.format != "ctranslate2":
         raise UserError(f"--quantization {args.quantization} is for --format ctranslate2 only; "
                         "a Hugging Face export keeps the trained float32 weights (drop --quantization)")
@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         pieces = [processor.id_to_piece(index) for index in range(processor.get_piece_size())]
         export_ctranslate2(model, pieces, args.out, args.quantization)
     else:
-        export_huggingface(model, args.spm_model, args.out, beam_size=config and config["decode"]["beam_size"])
+        export_huggingface(model, args.spm_model, args.out, search)
     print(f"exported {args.model} as {args.format} to {args.out}")
 
 

@@ -36,33 +36,9 @@ def count_parameters(config: ModelConfig) -> int:
 
 
 def parameter_rows(presets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """[{preset, model, paper_params}] -> [{preset, params, paper_params}], checking each entry."""
-    if not isinstance(presets, list):
-        raise UserError(f"presets must be a JSON list of objects, got {type(presets).__name__}")
-    rows = []
-    for number, entry in enumerate(presets):
-        where = f"presets[{number}]"
-        if not isinstance(entry, dict):
-            raise UserError(f"{where} must be an object with keys preset, model, paper_params")
-        unknown = sorted(set(entry) - {"preset", "model", "paper_params"})
-        if unknown:
-            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (known: preset, model, paper_params)")
-        for key in ("preset", "model"):
-            if key not in entry:
-                raise UserError(f"{where}: {key} is missing")
-        name = entry["preset"]
-        if not isinstance(entry["model"], dict):
-            raise UserError(f"{where} ({name}): model must be an object of model settings")
-        paper_params = entry.get("paper_params")
-        is_number = isinstance(paper_params, (int, float)) and not isinstance(paper_params, bool)
-        if paper_params is not None and not is_number:
-            raise UserError(f"{where} ({name}): paper_params = {paper_params!r} must be a number or null")
-        try:
-            config = ModelConfig.from_dict(entry["model"])
-        except UserError as error:
-            raise UserError(f"{where} ({name}): {error}") from None
-        rows.append({"preset": name, "params": count_parameters(config), "paper_params": paper_params})
-    return rows
+    """[{preset, model, paper_params}] (``presets_from_config``) -> [{preset, params, paper_params}]."""
+    return [{"preset": entry["preset"], "params": count_parameters(ModelConfig.from_dict(entry["model"])),
+             "paper_params": entry["paper_params"]} for entry in presets]
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -89,7 +65,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def presets_from_config(paths: Sequence[str] | None, names: Sequence[str] = (),
                         vocab_size: int | None = None) -> list[dict[str, Any]]:
-    """The ``--preset-json`` entries of the presets ``names`` (every preset a config trains when none is
+    """The presets ``names`` as {preset, model, paper_params} (every preset a config trains when none is
     named), from the config files ``paths`` or, without them, the paper's presets at its vocabulary size."""
     from aiayn.config import model_fields, read_config, resolve_preset
     from aiayn.presets import paper_presets, paper_vocab_size
@@ -122,13 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("names", nargs="*", metavar="PRESET",
                         help="presets by name (without --config: the paper's, all of them when none is named)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", nargs="+", metavar="FILE",
+    parser.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order): every preset in `models`, at bpe.vocab_size")
-    source.add_argument(
-        "--preset-json",
-        help='a JSON list of {"preset": name, "model": {ModelConfig fields}, "paper_params": number or null}',
-    )
     parser.add_argument("--vocab-size", type=int, metavar="N",
                         help="the shared vocabulary the embeddings are counted at (default: the config's "
                              "bpe.vocab_size, or the paper's 37000 without a config)")
@@ -136,16 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UserError(f"--vocab-size {args.vocab_size} must be at least 1")
-    if args.preset_json is None:
-        presets = presets_from_config(args.config, args.names, args.vocab_size)
-    elif args.names:
-        raise UserError("preset names and --preset-json exclude each other: --preset-json gives the presets whole")
-    else:
-        try:
-            presets = json.loads(args.preset_json)
-        except json.JSONDecodeError as error:
-            raise UserError(f"--preset-json is not valid JSON ({error})") from None
-    rows = parameter_rows(presets)
+    rows = parameter_rows(presets_from_config(args.config, args.names, args.vocab_size))
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 

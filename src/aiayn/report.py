@@ -22,12 +22,15 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from aiayn.errors import UserError, cli
 from aiayn.reading import read_lines
 from aiayn.writing import atomic_path, refuse_overwriting_inputs, write_text_atomic
 from aiayn.layout import ATTENTION_EXPLORER, DEV_PPL_FIGURE, METRICS, TABLE3_BLEU_FIGURE, TABLES
+
+if TYPE_CHECKING:
+    from aiayn.decode import DecodeSettings
 
 BOOTSTRAP_SAMPLES = 1000  # sacreBLEU's default number of resamples
 BOOTSTRAP_SEED = 12345  # fixed, so that a rerun of the report gives the same p-values
@@ -44,7 +47,7 @@ def base_preset(presets: dict) -> str:
     """The row the others are compared with: the preset whose ``paper.row`` is "base", else the first."""
     if not presets:
         raise UserError("no presets to report")
-    return next((name for name, preset in presets.items() if (preset.get("paper") or {}).get("row") == "base"),
+    return next((name for name, preset in presets.items() if preset["paper"].get("row") == "base"),
                 next(iter(presets)))
 
 
@@ -82,7 +85,7 @@ def collect_runs(presets: dict, run_files: Sequence[RunFiles]):
             raise UserError(f"{run.final}: preset {name} seed {seed} is given twice "
                             f"(also {files[(name, seed)].final}); pass each run once")
         files[(name, seed)] = run
-        paper = presets[name].get("paper") or {}
+        paper = presets[name]["paper"]  # the numbers the paper gives for the preset's row, if any
         rows.append({
             "preset": name, "seed": seed, "row": paper.get("row", name),
             "steps": final["step"], "params": final["parameters"], "train_hours": final["train_hours"],
@@ -345,34 +348,45 @@ def run_files_from_arguments(args: argparse.Namespace) -> list[RunFiles]:
             in zip(args.runs, args.dev_scores, args.test_scores, translations, averages)]
 
 
-def attention_explorer(args: argparse.Namespace, config: dict | None = None) -> Path:
+def attention_explorer(args: argparse.Namespace, search: DecodeSettings) -> Path:
     """The attention explorer's page of --attention-model (aiayn.explore), on the paper's two sentences and the
     first of --explorer-dev (those first where the vocabulary cannot read the paper's), translated with the
-    decode stage's search: --decode-json's, else --config's decode section (read already), else the schema's."""
-    from aiayn.config import InlineSection, read_config
-    from aiayn.decode import DecodeSettings
+    decode stage's ``search``."""
     from aiayn.explore import default_sentences, write_explorer
 
-    if args.decode_json is not None:
-        section = read_config(None, "decode", inline=InlineSection("--decode-json", "decode", args.decode_json))
-    else:
-        section = config["decode"] if config else read_config(None, "decode")
     sentences = default_sentences(args.explorer_dev, vocabulary=args.spm_model)
     written = write_explorer(args.attention_model, args.spm_model, sentences, Path(args.out_dir) / ATTENTION_EXPLORER,
-                             DecodeSettings.from_section(section))
+                             search)
     return written["path"]
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the stage reads of a config, built once: the reported presets, the explorer's search, the
+    reference each preset's runs are drawn over, and where the report is tracked."""
+
+    presets: dict  # resolved, by name, in the order of `models` (the tables' order)
+    decode: DecodeSettings  # the explorer's translations are searched as the decode stage's
+    reference: str  # train.reference
+    tracking_uri: str
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> ReportSettings:
+        """Through the door: --config's files, --tracking-uri winning."""
+        from aiayn.config import config_from_arguments, resolve_presets
+        from aiayn.decode import DecodeSettings
+
+        config = config_from_arguments(args, {"tracking_uri": ("--tracking-uri", "tracking_uri")})
+        return cls(presets=resolve_presets(config, args.config), decode=DecodeSettings.from_section(config["decode"]),
+                   reference=config["train"]["reference"], tracking_uri=config["tracking_uri"])
 
 
 @cli
 def main(argv=None):
-    from aiayn.config import parse_with_config, presets_from_json, resolve_presets
-
     parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
-    settings = parser.add_mutually_exclusive_group(required=True)
-    settings.add_argument("--config", nargs="+", metavar="FILE",
-                          help="config files (merged in order, validated once): their models' presets, their decode "
-                               "section (the explorer's search) and tracking_uri")
-    settings.add_argument("--presets-json", help="resolved presets by name")
+    parser.add_argument("--config", nargs="+", metavar="FILE", required=True,
+                        help="config files (merged in order, validated once): their models' presets, their decode "
+                             "section (the explorer's search), train.reference and tracking_uri")
     parser.add_argument("--runs", type=Path, nargs="+", required=True,
                         help="each run's final.json (the train stage's output)")
     parser.add_argument("--dev-scores", type=Path, nargs="+", required=True,
@@ -395,12 +409,11 @@ def main(argv=None):
     parser.add_argument("--spm-model", type=Path, help="the vocabulary of --attention-model")
     parser.add_argument("--explorer-dev", type=Path,
                         help="dev source text: its first sentences join the paper's two on the attention explorer's page")
-    parser.add_argument("--decode-json", help="the `decode` section as JSON: the explorer's translations are searched "
-                                              "with it (default: --config's, else the schema's)")
-    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking_uri's; MLFLOW_TRACKING_URI "
+                                               "wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
-    args, config = parse_with_config(parser, argv, lambda config, _: {"tracking_uri": config["tracking_uri"]},
-                                     {"tracking_uri": "tracking_uri"})
+    args = parser.parse_args(argv)
+    settings = ReportSettings.from_arguments(args)
     refuse_overwriting_inputs(
         {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
                        "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png",
@@ -412,18 +425,16 @@ def main(argv=None):
          "--config": args.config})
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
-    presets = resolve_presets(config, args.config) if config else presets_from_json(args.presets_json,
-                                                                                      "--presets-json")
-    report = build_report(presets, run_files_from_arguments(args), args.out_dir, dev_references=args.dev_references,
-                          bootstrap_samples=args.bootstrap_samples, base=args.base, figures=not args.no_figures,
-                          reference=config["train"]["reference"] if config else "auto")
+    report = build_report(settings.presets, run_files_from_arguments(args), args.out_dir,
+                          dev_references=args.dev_references, bootstrap_samples=args.bootstrap_samples, base=args.base,
+                          figures=not args.no_figures, reference=settings.reference)
     files = report["files"]
     if args.attention_model is not None and not args.no_figures:
         from aiayn.appendix_figures import appendix_figures
 
         drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
         files += [drawn["long_distance"], drawn["anaphora"]]
-        files.append(attention_explorer(args, config))
+        files.append(attention_explorer(args, settings.decode))
     run_file = base_run_file(report)
     if not args.no_tracking and run_file is None:
         print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)
@@ -431,7 +442,7 @@ def main(argv=None):
         from aiayn.tracking import log_to_existing_run
 
         try:
-            log_to_existing_run(run_file, args.tracking_uri, metrics={}, artifacts=files, artifact_path="report")
+            log_to_existing_run(run_file, settings.tracking_uri, metrics={}, artifacts=files, artifact_path="report")
         except Exception as error:  # the tables and pictures are written; a store that went away must not undo them
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             print(f"warning: the report was not logged to MLflow ({reason})", file=sys.stderr)

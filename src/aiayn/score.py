@@ -26,10 +26,11 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from aiayn.config import parse_with_config, schema_default
+from aiayn.config import schema_default
 from aiayn.errors import UserError, cli
 from aiayn.reading import read_lines, same_file
 from aiayn.writing import prepare_output, refuse_overwriting_inputs, write_json_atomic
@@ -230,25 +231,47 @@ def format_scores(result: dict) -> str:
     ])
 
 
-@cli
-def main(argv=None):
+@dataclass(frozen=True)
+class ScoreSettings:
+    """What the stage reads of a config, built once: the target language (Moses' tokenizer, and whether
+    hyphenated compounds are split) and where the run is tracked."""
+
+    lang: str  # data.tgt_lang
+    tracking_uri: str
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> ScoreSettings:
+        """Through the door: --config's files (else the schema's defaults), --lang and --tracking-uri winning."""
+        from aiayn.config import config_from_arguments
+
+        config = config_from_arguments(args, {"lang": ("--lang", "data.tgt_lang"),
+                                              "tracking_uri": ("--tracking-uri", "tracking_uri")})
+        return cls(lang=config["data"]["tgt_lang"], tracking_uri=config["tracking_uri"])
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn score", description=__doc__.splitlines()[0])
     parser.add_argument("--hyp", required=True, help="detokenized hypotheses, one segment per line")
     parser.add_argument("--ref", required=True, help="detokenized references, one segment per line")
     parser.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order, validated once): --lang is their data.tgt_lang")
-    parser.add_argument("--lang", default=schema_default("data.tgt_lang"),
-                        help="target language for the Moses tokenizer (default: %(default)s, data.tgt_lang's)")
+    parser.add_argument("--lang", help=f"target language for the Moses tokenizer (default: data.tgt_lang's, "
+                                       f"{schema_default('data.tgt_lang')})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text block")
     parser.add_argument("--output", type=Path, help="also write the JSON object to this file")
     parser.add_argument("--log-to-run", type=Path, metavar="FINAL_JSON",
                         help="log the scores as metrics (and the hypotheses as an artifact) into the MLflow run "
                              "of this training run's final.json")
     parser.add_argument("--split", default="test", help="metric name prefix with --log-to-run (dev or test)")
-    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (MLFLOW_TRACKING_URI wins)")
-    args, _ = parse_with_config(parser, argv, lambda config, _: {"lang": config["data"]["tgt_lang"],
-                                                                 "tracking_uri": config["tracking_uri"]},
-                                {"lang": "data.tgt_lang", "tracking_uri": "tracking_uri"})
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking_uri's; MLFLOW_TRACKING_URI "
+                                               "wins)")
+    return parser
+
+
+@cli
+def main(argv=None):
+    args = arguments().parse_args(argv)
+    settings = ScoreSettings.from_arguments(args)
     refuse_overwriting_inputs({"--output": args.output, "stdout": sys.stdout},
                               {"--hyp": args.hyp, "--ref": args.ref, "--log-to-run": args.log_to_run,
                                "--config": args.config})
@@ -258,7 +281,7 @@ def main(argv=None):
         read_run_file(args.log_to_run)
     if args.output is not None:
         prepare_output(args.output, create=False)  # refused before scoring, not after; its folder made when written
-    result = score_files(args.hyp, args.ref, args.lang)
+    result = score_files(args.hyp, args.ref, settings.lang)
     if args.output is not None:
         write_json_atomic(args.output, result)
     if args.log_to_run is not None:
@@ -267,7 +290,7 @@ def main(argv=None):
         metrics = {f"{args.split}_{key}": result[key] for key in ("sacrebleu", "bleu_tok", "chrf", "length_ratio")}
         params = {f"{args.split}_sacrebleu_signature": result["sacrebleu_signature"],
                   "bleu_tok_method": result["bleu_tok_method"]}
-        log_to_existing_run(args.log_to_run, args.tracking_uri, metrics, [args.hyp] + ([args.output] if args.output else []),
+        log_to_existing_run(args.log_to_run, settings.tracking_uri, metrics, [args.hyp] + ([args.output] if args.output else []),
                             artifact_path=f"translations/{args.split}", params=params)
     print(json.dumps(result, indent=2, sort_keys=True) if args.json else format_scores(result))
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
-from conftest import tiny_preset
+from conftest import tiny_preset, train_settings
 
 from aiayn.config import section_defaults
 
@@ -54,7 +53,7 @@ def test_the_training_command_keeps_freed_memory(prepared, tmp_path, monkeypatch
     monkeypatch.setattr(aiayn.train.launch, "train", lambda job: {})
     train_section = {**section_defaults("train"), "device": "cpu"}
     status = aiayn.train.launch.main([
-        "--preset-json", json.dumps(tiny_preset()), "--train-json", json.dumps(train_section),
+        *train_settings(tmp_path, tiny_preset(), train_section),
         "--train-data", str(prepared / "bin" / "train"), "--spm-model", str(prepared / "bpe" / "spm.model"),
         "--run-dir", str(tmp_path / "run"), "--no-tracking"])
     assert status == 0

@@ -6,6 +6,7 @@ rule average:
         model=f"{RESULTS}/average/{{model}}/seed{{seed}}/{layout.AVERAGED_MODEL}",
         summary=f"{RESULTS}/average/{{model}}/seed{{seed}}/{layout.AVERAGE_SUMMARY}",
     params:
+        # what reruns the stage when its settings change (the job reads them from SETTINGS)
         last=lambda w: preset(w)["average_last"],
         checkpoint_dir=lambda w: for_run(run_file(layout.CHECKPOINTS), w),
         precision=config["train"]["precision"],
@@ -24,7 +25,5 @@ rule average:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "average --last {params.last} --checkpoint-dir {params.checkpoint_dir} --output {output.model} "
-        "--dev-data {input.dev} --summary {output.summary} --precision {params.precision} "
-        "--dev-tokens {params.dev_tokens} --choose {params.choose} --log-to-run {input.final} "
-        "--tracking-uri {params.tracking_uri:q}"
+        "average " f"--config {SETTINGS} " "--preset {wildcards.model} --checkpoint-dir {params.checkpoint_dir} "
+        "--output {output.model} --dev-data {input.dev} --summary {output.summary} --log-to-run {input.final}"

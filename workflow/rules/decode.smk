@@ -16,10 +16,7 @@ rule decode:
         mem_mb=request_resource(decode_request, "mem_mb"),
         runtime=request_resource(decode_request, "runtime"),
         attempt=attempt_number,
-        workers=config["decode"]["workers"],
-        max_source_tokens=config["decode"]["max_source_tokens"],
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
         "decode " f"--config {SETTINGS} " "--model {input.model} --spm-model {input.spm_model} "
-        "--input {input.source} --output {output} --threads {threads} --workers {resources.workers} "
-        "--max-source-tokens {resources.max_source_tokens}"
+        "--input {input.source} --output {output} --threads {threads}"

@@ -7,6 +7,9 @@ rule export:
         spm_model=rules.bpe.output.model,
     output:
         directory(export_dir()),
+    params:
+        # what reruns a Hugging Face export when the search changes: its generation config holds decode.beam_size
+        beam_size=lambda w: config["decode"]["beam_size"] if w.format == "huggingface" else None,
     log:
         log_file("export", *RUN_LOG, "{format}"),
     resources:
@@ -15,4 +18,5 @@ rule export:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "export --model {input.model} --spm-model {input.spm_model} --format {wildcards.format} --out {output}"
+        "export " f"--config {SETTINGS} " "--model {input.model} --spm-model {input.spm_model} "
+        "--format {wildcards.format} --out {output}"

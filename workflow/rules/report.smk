@@ -67,5 +67,4 @@ rule report:
         "--dev-translations {input.dev_translations} --dev-references {input.dev_references} "
         "--averages {input.averages} "
         "--attention-model {input.attention_model} --spm-model {input.spm_model} "
-        "--explorer-dev {input.dev_sources} "
-        "--tracking-uri {params.tracking_uri:q}"
+        "--explorer-dev {input.dev_sources}"

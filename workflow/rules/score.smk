@@ -6,6 +6,7 @@ rule score:
     output:
         f"{RESULTS}/score/{{model}}/seed{{seed}}/{{split}}.json",
     params:
+        # what reruns the stage when its settings change (the job reads them from SETTINGS)
         lang=TGT,
         tracking_uri=config["tracking_uri"],
     log:
@@ -16,5 +17,5 @@ rule score:
         attempt=attempt_number,
     shell:
         "aiayn --log {log} --attempt {resources.attempt} "
-        "score --hyp {input.hyp} --ref {input.ref} --lang {params.lang} --output {output} "
-        "--log-to-run {input.run} --split {wildcards.split} --tracking-uri {params.tracking_uri:q}"
+        "score " f"--config {SETTINGS} " "--hyp {input.hyp} --ref {input.ref} --output {output} "
+        "--log-to-run {input.run} --split {wildcards.split}"

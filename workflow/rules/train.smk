@@ -30,10 +30,8 @@ rule train:
         mem_mb=lambda w: 64000 if preset(w)["gpus"] else 8000,
         runtime=lambda w: preset(w)["runtime_minutes"],
         attempt=attempt_number,
-        log_every=config["train"]["log_every"],
     shell:
         "exec aiayn --log {log} --attempt {resources.attempt} "
         "train " f"--config {SETTINGS} " "--preset {wildcards.model} --seed {wildcards.seed} "
         "--train-data {input.train} --dev-data {input.dev} --spm-model {input.spm_model} "
-        "--run-dir {params.run_dir} --experiment {params.experiment} --tracking-uri {params.tracking_uri:q} "
-        "--threads {threads} --log-every {resources.log_every}"
+        "--run-dir {params.run_dir} --threads {threads}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import InlineSection, check_resolved_preset, read_config, resolve_preset, schema_default
+from aiayn.config import read_config, resolve_preset, schema_default
 from aiayn.errors import UserError, cli
 from aiayn.folders import missing_folders, remove_empty_folders
 from aiayn.writing import refuse_overwriting_inputs, remove_stale_temporaries_in
@@ -135,29 +135,14 @@ def _release_run_lock(handle, lock_path: Path, created: list[Path]) -> None:
     remove_empty_folders(created)
 
 
-def _settings(args) -> tuple[dict, dict, str]:
-    """(resolved preset, `train` section, experiment), through the config door (``read_config``, with
-    --log-every given beside): from --config files and --preset, as every stage reads config files, or from
-    --preset-json and --train-json given by hand."""
-    from_files, from_json = args.config is not None, (args.preset_json, args.train_json) != (None, None)
-    if from_files == from_json or (from_files and not args.preset) or (from_json and None in (args.preset_json,
-                                                                                              args.train_json)):
-        raise UserError("aiayn train takes its settings either as --config FILE... with --preset NAME (the preset "
-                        "to train), or as --preset-json and --train-json together")
-    options = {"train.log_every": ("--log-every", args.log_every)}
-    if from_files:
-        config = read_config(args.config, None, options)
-        return (resolve_preset(config, args.preset, [str(path) for path in args.config]), config["train"],
-                config["experiment"])
-    if args.preset is not None:
-        raise UserError("--preset goes with --config; --preset-json gives the whole resolved preset")
-    try:
-        preset = json.loads(args.preset_json)
-    except json.JSONDecodeError as error:
-        raise UserError(f"--preset-json is not valid JSON ({error})") from None
-    check_resolved_preset(preset, "--preset-json")
-    train_section = read_config(None, "train", options, inline=InlineSection("--train-json", "train", args.train_json))
-    return preset, train_section, schema_default("experiment")
+def _settings(args) -> tuple[dict, dict, str, str]:
+    """(resolved preset, `train` section, experiment, tracking URI), through the config door
+    (``read_config``): --config's files and --preset, with the options given beside them in place of their keys."""
+    config = read_config(args.config, None, {"train.log_every": ("--log-every", args.log_every),
+                                             "experiment": ("--experiment", args.experiment),
+                                             "tracking_uri": ("--tracking-uri", args.tracking_uri)})
+    return (resolve_preset(config, args.preset, [str(path) for path in args.config]), config["train"],
+            config["experiment"], config["tracking_uri"])
 
 
 def ignore_stop_signals() -> None:
@@ -185,26 +170,22 @@ def _report_status(status: int, any_rank: bool = False) -> int:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="aiayn train", description=__doc__.splitlines()[0])
-    settings = parser.add_argument_group("settings: config files and a preset's name (what the Snakefile passes), "
-                                         "or a resolved preset and the train section as JSON")
-    settings.add_argument("--config", nargs="+", metavar="FILE",
-                          help="config files, merged in order and validated (with --preset)")
-    settings.add_argument("--preset", help="with --config: the preset to train (one of the config's or the paper's)")
-    settings.add_argument("--preset-json", help="a resolved preset (every key of config/README.md's preset table)")
-    settings.add_argument("--train-json", help="the config's `train` section")
+    parser.add_argument("--config", nargs="+", metavar="FILE", required=True,
+                        help="config files, merged in order and validated (what the Snakefile passes: the resolved "
+                             "config)")
+    parser.add_argument("--preset", required=True, help="the preset to train (one of the config's or the paper's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--train-data", required=True, type=Path, help="binarized train split folder")
     parser.add_argument("--dev-data", type=Path, help="binarized dev split folder")
     parser.add_argument("--spm-model", required=True, type=Path)
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--experiment", default=None,
-                        help=f"the MLflow experiment (default: {schema_default('experiment')}, the schema's) or, "
-                             "with --config, the files' experiment")
-    parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument("--experiment", help=f"the MLflow experiment (default: the config's experiment; where it "
+                                             f"sets none, {schema_default('experiment')}, the schema's)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: the config's tracking_uri; "
+                                               "MLFLOW_TRACKING_URI wins)")
     parser.add_argument("--no-tracking", action="store_true", help="metrics.jsonl only, no MLflow")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: leave torch's default)")
-    parser.add_argument("--log-every", type=int, default=None,
-                        help="overrides train.log_every (the Snakefile passes it apart: it changes no output)")
+    parser.add_argument("--log-every", type=int, help="overrides train.log_every")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="overrides train.device (auto: a GPU when there is one and the preset has gpus > 0)")
     parser.add_argument("--processes", type=int, default=None,
@@ -213,8 +194,7 @@ def main(argv=None):
     parser.add_argument("--stop-after-steps", type=int, default=None,
                         help="checkpoint and exit with status 75 after this many steps (resume by rerunning)")
     args = parser.parse_args(argv)
-    preset, train_section, experiment = _settings(args)
-    args.experiment = args.experiment or experiment
+    preset, train_section, experiment, tracking_uri = _settings(args)
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes {args.processes}: give 1 or more")
     refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
@@ -227,7 +207,7 @@ def main(argv=None):
     if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
         lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
     job = TrainJob(preset, train_section, args.seed, args.train_data, args.dev_data, args.spm_model, args.run_dir,
-                   args.experiment, args.tracking_uri, not args.no_tracking, args.device, args.stop_after_steps)
+                   experiment, tracking_uri, not args.no_tracking, args.device, args.stop_after_steps)
     if allocation is not None:
         processes = processes_per_node(args.processes, job.requested_device, preset["gpus"])
         check_layout(nodes_of(preset) * processes, preset)
