@@ -276,6 +276,10 @@ def test_a_minimal_config_takes_every_unset_key_from_the_schema_and_nothing_from
         (folder / "config" / "config.yaml").write_text(yaml.safe_dump(merge(demo, demo_edit)))
         result = run_snakemake(folder, "-n", "-p", "--configfile", str(path), copy=False)
         assert result.returncode == 0, result.stderr[-3000:]
+        # a dry run writes nothing; the file the planned jobs name is written by a run that plans for real
+        # (--dag plans and starts no job)
+        assert not (folder / "results").exists()
+        assert run_snakemake(folder, "--dag", "--configfile", str(path), copy=False).returncode == 0
         plans.append(planned_settings(result.stdout, folder))
     assert plans[0] == plans[1]
     for section in ("data", "bpe", "binarize", "train", "decode"):
@@ -287,6 +291,7 @@ def test_a_minimal_config_takes_every_unset_key_from_the_schema_and_nothing_from
 def test_without_a_configfile_snakemake_runs_the_demo(tmp_path):
     result = run_snakemake(tmp_path, "-n", "-p")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert run_snakemake(tmp_path, "--dag", copy=False).returncode == 0  # writes the config the planned jobs name
     demo = load_config([DEFAULT])
     assert planned_settings(result.stdout, tmp_path)["bpe"] == {to_json(demo["bpe"])}
     assert "results/demo/train/demo_heads_1/seed1/" in result.stdout
