@@ -3,6 +3,8 @@ logged to MLflow and held against the run's reference (``aiayn.train.monitor``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -20,11 +22,11 @@ class DevEvaluation:
         self.split, self.rows, self.bleu, self.monitor, self.device = split, rows, bleu, monitor, device
 
     @classmethod
-    def for_run(cls, job, data: RunData, config: ModelConfig, device: torch.device, warn: bool) -> "DevEvaluation":
-        """Of a ``TrainJob`` (train.dev_bleu_*, train.reference) and its data; ``warn``: say which pairs are left out."""
-        rows = data.dev_rows(config, job.dev_data, warn)
-        bleu = DevBleu.from_section(job.train_section, data.dev, rows, job.spm_model, device)
-        monitor = DevMonitor.for_run(job, data.data_fingerprint)  # train.reference: a wrong file stops here
+    def for_run(cls, data: RunData, config: ModelConfig, device: torch.device, train_section: dict, spm_model: Path,
+                dev_data: Path | None, monitor: DevMonitor, warn: bool) -> "DevEvaluation":
+        """Of a run's data and model (train.dev_bleu_* pick the BLEU sample); ``warn``: say which pairs are left out."""
+        rows = data.dev_rows(config, dev_data, warn)
+        bleu = DevBleu.from_section(train_section, data.dev, rows, spm_model, device)
         return cls(data.dev, rows, bleu, monitor, device)
 
     @property

@@ -1,5 +1,6 @@
 """What the training loop keeps between steps: the stop flag, the time budget, the progress bar, the window
-of steps since the last log line, and when the last checkpoint was written."""
+of steps since the last log line, and when the last checkpoint was written; and what every process makes of
+a step (``agreed_outcome``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 import signal
 import sys
 from dataclasses import dataclass, field
+
+import torch
 
 from aiayn.train.steps import LogWindow, Progress, StepOutcome, TrainSettings
 from aiayn.train.window import in_window
@@ -64,3 +67,19 @@ class LoopState:
         window_step = in_window(settings, step, outcome)
         due_time = settings.checkpoint_minutes and now - self.last_checkpoint_time >= settings.checkpoint_minutes * 60
         return window_step, bool(window_step or due_time or outcome.stopping)
+
+
+def agreed_outcome(sums: torch.Tensor, grad_norm: torch.Tensor, world: int, *, stopping: bool, over_budget: bool,
+                   window: bool, last_step: bool) -> StepOutcome:
+    """What every process makes of a step, from one all-reduce of its votes: the loss sums and gradient norm
+    (summed over processes), a stop (a signal, --stop-after-steps), the end (the last step, or the time budget
+    spent: so that all stop at the same step) and a window checkpoint (rank 0's vote)."""
+    votes = torch.zeros(6, dtype=torch.float64, device=sums.device)
+    votes[:2] = sums
+    votes[2] = grad_norm
+    votes[3], votes[4], votes[5] = float(stopping), float(over_budget), float(window)
+    if world > 1:
+        torch.distributed.all_reduce(votes)
+    loss_sum, nll_sum, grad_norm_sum, stop_votes, budget_votes, window_votes = votes.tolist()
+    return StepOutcome(loss_sum, nll_sum, grad_norm_sum, stopping=stop_votes > 0,
+                       last=last_step or budget_votes > 0, window=window_votes > 0)

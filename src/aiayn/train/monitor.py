@@ -24,12 +24,11 @@ class DevMonitor:
         self.said_about, self.said_step = False, None
 
     @classmethod
-    def for_run(cls, job, data_fingerprint: str) -> "DevMonitor":
-        """The monitor of a ``TrainJob`` (``train.reference`` picks its reference)."""
-        preset = job.preset
-        reference, about = choose_reference(job.train_section["reference"], preset["name"],
-                                            job.experiment, data_fingerprint)
-        return cls(reference, about, preset["steps"], preset["warmup_steps"], preset["name"], job.seed, job.run_dir)
+    def for_run(cls, reference: str, preset: dict, experiment: str, seed: int, run_dir: Path,
+                data_fingerprint: str) -> "DevMonitor":
+        """The monitor of one run of ``preset``: ``reference`` (train.reference) picks its reference curve."""
+        curve, about = choose_reference(reference, preset["name"], experiment, data_fingerprint)
+        return cls(curve, about, preset["steps"], preset["warmup_steps"], preset["name"], seed, run_dir)
 
     def observe(self, step: int, history: list[dict]) -> tuple[dict[str, float], dict[str, str], str]:
         """The metrics, tags and log line for the dev evaluation at ``step`` (the last of ``history``)."""

@@ -36,12 +36,13 @@ class Checkpoints:
     """A run's ``checkpoints/`` folder: the window checkpoints averaging needs, and a safety checkpoint
     only while it is the newest."""
 
-    def __init__(self, job, model_config: ModelConfig, data: RunData):
-        """Of a ``TrainJob``, training ``model_config`` on ``data``: what every checkpoint records besides the step."""
-        self.run_dir, self.folder = job.run_dir, job.run_dir / CHECKPOINTS
-        self.preset_name, self.model_config = job.preset["name"], model_config
-        self.run = {"config": {"preset": job.preset, "train": job.train_section, "seed": job.seed},
-                    "vocab_fingerprint": data.vocab_fingerprint, "data_fingerprint": data.data_fingerprint}
+    def __init__(self, run_dir: Path, config: dict, model_config: ModelConfig, data: RunData):
+        """Of the run in ``run_dir`` (``config``: its preset, train section and seed, as ``TrainJob.recorded_config``
+        gives them), training ``model_config`` on ``data``: what every checkpoint records besides the step."""
+        self.run_dir, self.folder = run_dir, run_dir / CHECKPOINTS
+        self.preset_name, self.model_config = config["preset"]["name"], model_config
+        self.run = {"config": config, "vocab_fingerprint": data.vocab_fingerprint,
+                    "data_fingerprint": data.data_fingerprint}
 
     def newest(self, warn: bool) -> tuple[dict, Path] | tuple[None, None]:
         """The newest checkpoint that loads (window or safety), and its path. A damaged newest file (a job
@@ -55,7 +56,7 @@ class Checkpoints:
                           "older checkpoint", file=sys.stderr)
         return None, None
 
-    def resume(self, state: ModelState, settings: TrainSettings, device_tokens_setting, warn: bool) -> Resumed | None:
+    def resume(self, state: ModelState, settings: TrainSettings, warn: bool) -> Resumed | None:
         """Load the newest checkpoint into ``state`` and the torch RNG, after checking that it is this run's;
         None where there is none."""
         checkpoint, path = self.newest(warn)
@@ -66,10 +67,10 @@ class Checkpoints:
         if checkpoint["model_config"] != self.model_config.to_dict():
             raise UserError(f"{path}: its model_config differs from preset {self.preset_name!r}; "
                             f"the preset changed since this run started: delete {self.run_dir} to start afresh")
-        settings = resumed_device_tokens(settings, device_tokens_setting, checkpoint, warn)
-        settings.check_batch_rule(checkpoint.get("batch_rule"), path, self.run_dir)
+        settings.check_batch_rule(checkpoint.get("batch_rule"), path, self.run_dir)  # not for device_tokens
         state.load(checkpoint)
         torch.set_rng_state(checkpoint["rng"]["torch"])
+        settings = resumed_device_tokens(settings, self.run["config"]["train"]["device_tokens"], checkpoint, warn)
         return Resumed(path, settings, Progress(**checkpoint["progress"]))
 
     def save(self, state: ModelState, progress: Progress, settings: TrainSettings, window: bool) -> Path:

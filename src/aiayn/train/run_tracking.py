@@ -26,11 +26,12 @@ class RunFacts:
 
 def start_tracking(job, data: RunData, facts: RunFacts, resumed_from: Path | None, step: int) -> Tracker:
     """Open (or, resuming from ``resumed_from`` at ``step``, reopen) the MLflow run of ``job``, a ``TrainJob``."""
+    tags, datasets, params = run_tags(job, data, facts), run_datasets(job, data), run_params(job, facts)
     if resumed_from is None:  # a fresh start: what an earlier attempt logged is not this run's
         forget_unresumed_attempt(job.run_dir)
     tracker = Tracker(job.run_dir, job.tracking_uri, job.experiment,
                       run_name=f"{job.preset['name']}-seed{job.seed}", enabled=job.track)
-    tracker.start(run_params(job, facts), run_tags(job, data, facts), run_datasets(job, data))
+    tracker.start(params, tags, datasets)
     if resumed_from:
         print(f"resuming from {resumed_from} (step {step}) on {facts.world} process(es)", file=sys.stderr)
     return tracker
@@ -38,7 +39,7 @@ def start_tracking(job, data: RunData, facts: RunFacts, resumed_from: Path | Non
 
 def run_params(job, facts: RunFacts) -> dict[str, str]:
     """The resolved preset, train section and seed, flattened, with what the run made of them."""
-    params = flatten("", {"preset": job.preset, "train": job.train_section, "seed": job.seed}, {})
+    params = flatten("", job.recorded_config, {})
     params.update({"model.parameters": str(facts.parameters), "world_size": str(facts.world),
                    "device_tokens": str(facts.device_tokens)})
     return params

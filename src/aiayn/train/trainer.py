@@ -27,8 +27,9 @@ from aiayn.train.dev_evaluation import DevEvaluation
 from aiayn.train.divergence import DivergenceGuard, TrainingDiverged  # noqa: F401 (TrainingDiverged: the stage's)
 from aiayn.train.final import write_final
 from aiayn.train.hardware import Distributed, autocast_context, peak_flops
-from aiayn.train.loop import LoopState, StopFlag
+from aiayn.train.loop import LoopState, StopFlag, agreed_outcome
 from aiayn.train.model_state import ModelState
+from aiayn.train.monitor import DevMonitor
 from aiayn.train.rendezvous import check_layout
 from aiayn.train.resume import Checkpoints
 from aiayn.train.run_data import RunData
@@ -63,6 +64,11 @@ class TrainJob:
     progress_bar: bool = True
 
     @property
+    def recorded_config(self) -> dict:
+        """The config as the run records it: in every checkpoint (a resume checks it) and as MLflow's params."""
+        return {"preset": self.preset, "train": self.train_section, "seed": self.seed}
+
+    @property
     def requested_device(self) -> str:
         """--device, unless it is auto: then train.device (``aiayn.device.choose_device`` resolves auto)."""
         return self.device if self.device != "auto" else self.train_section["device"]
@@ -72,39 +78,41 @@ class Trainer:
     """One run: its parts set up (or resumed) once, then ``run`` repeats the named parts of a step.
 
     The parts, each built and tested on its own: the data and its step cut (``RunData``, ``StepSource``), the
-    model and its optimiser state (``ModelState``), progress and resume (``Progress``, ``Checkpoints``), and
-    tracking (``start_tracking``).
+    model and its optimiser state (``ModelState``), progress and resume (``Progress``, ``Checkpoints``), the dev
+    evaluations (``DevEvaluation``), and tracking (``start_tracking``), which ``run`` opens and closes.
     """
 
     def __init__(self, job: TrainJob):
-        self.job = job
+        self.job = job  # its stop_after_steps is read at each step; tests change it on a built Trainer
         self.clock = time.monotonic  # the run's clock (for max_minutes and its window); tests give a fake one
         self.dist = Distributed.from_environment()
-        self.device = choose_device(job.requested_device, job.preset["gpus"], self.dist.local_rank,
-                                    job.train_section["share_gpus"])
-        self.dist.init(self.device)
         self.world = self.dist.world_size
-        check_layout(self.world, job.preset)
+        preset = job.preset  # the parts take these values, not the job
+        section = job.train_section
+        check_layout(self.world, preset)
+        self.guard = DivergenceGuard.from_section(section)
         self.data = RunData.load(job.train_data, job.dev_data, job.spm_model)
-        self.model_config = self.data.model_config(job.preset)
-        self.settings = agreed_device_tokens(TrainSettings.from_config(
-            job.preset, job.train_section, job.seed, self.device, self.model_config), self.world, self.device)
+        self.device = choose_device(job.requested_device, preset["gpus"], self.dist.local_rank, section["share_gpus"])
+        self.model_config = self.data.model_config(preset)
+        self.settings = TrainSettings.from_config(preset, section, job.seed, self.device, self.model_config)
+        self.dist.init(self.device)
         self.state = ModelState.build(self.model_config, self.settings, self.device)
-        self.checkpoints = Checkpoints(job, self.model_config, self.data)
-        self.progress = Progress()
-        self.resumed_from = self._resume()
-        self.training_model = self.state.training_objective(self.settings, self.world, self.device)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak = peak_flops(self.device, self.precision)
-        # before tracking starts: a split with nothing to train on leaves no run open
+        self.checkpoints = Checkpoints(job.run_dir, job.recorded_config, self.model_config, self.data)
+        self.progress = Progress()
+        self.resumed_from = self._resume()
+        # every process splits its steps alike (a resumed run's size is its checkpoint's, the same on all)
+        self.settings = agreed_device_tokens(self.settings, self.world, self.device)
+        self.dev = DevEvaluation.for_run(self.data, self.model_config, self.device, section, job.spm_model,
+                                         job.dev_data, DevMonitor.for_run(
+                                             section["reference"], preset, job.experiment, job.seed, job.run_dir,
+                                             self.data.data_fingerprint),
+                                         warn=self.dist.is_main)
+        # a split with nothing to train on is refused here, before run() opens the MLflow run
         self.source = self.data.step_source(self.settings, self.progress.epoch, job.train_data)
         self.shape_log = ShapeLog()
-        self.dev = DevEvaluation.for_run(job, self.data, self.model_config, self.device, warn=self.dist.is_main)
-        self.guard = DivergenceGuard.from_section(job.train_section)
-        facts = RunFacts(self.model.num_parameters(), self.world, self.settings.device_tokens, self.device_name,
-                         self.precision)
-        self.tracker = (start_tracking(job, self.data, facts, self.resumed_from, self.progress.step)
-                        if self.dist.is_main else None)
+        self.training_model = self.tracker = None  # what lives while run() runs: opened there, closed at its end
 
     # the model state's parts, by the names the step and its helpers (aiayn.memory, aiayn.train.divergence) use
     model = property(lambda self: self.state.model)
@@ -115,8 +123,7 @@ class Trainer:
 
     def _resume(self) -> Path | None:
         """Load the newest checkpoint that loads into the model state, settings and progress; its path."""
-        resumed = self.checkpoints.resume(self.state, self.settings, self.job.train_section["device_tokens"],
-                                          warn=self.dist.is_main)
+        resumed = self.checkpoints.resume(self.state, self.settings, warn=self.dist.is_main)
         if resumed is None:
             return None
         self.settings, self.progress = resumed.settings, resumed.progress
@@ -153,29 +160,21 @@ class Trainer:
 
     def agree(self, step: int, sums: torch.Tensor, stop: StopFlag, start_step: int, loop_start: float,
               budget: float) -> StepOutcome:
-        """The step's one host-device synchronisation: loss, gradient norm, and every process's
-        vote to stop (a signal) or to end (the last step, the time budget), and rank 0's decision on a
-        budgeted run's window checkpoint, so that every process knows it."""
-        votes = torch.zeros(6, dtype=torch.float64, device=self.device)
-        votes[:2] = sums
+        """The step's one host-device synchronisation (``aiayn.train.loop.agreed_outcome``): its loss, gradient
+        norm and every process's votes, with rank 0's decision on a budgeted run's window checkpoint."""
         self.scaling.unscale(self.optimizer)  # fp16: the gradients as Adam will read them
         # measured, not clipped (the paper does not clip, so no pass scales the gradients); the same on
         # every process after DDP
         gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
-        votes[2] = torch.nn.utils.get_total_norm(gradients).double() / self.world
-        job = self.job
-        votes[3] = float(stop.signal is not None or (job.stop_after_steps is not None
-                                                     and step - start_step >= job.stop_after_steps))
-        clock = self.progress.wall_seconds + self.clock() - loop_start
-        votes[4] = float(clock >= budget)
-        votes[5] = float(self.dist.is_main and window_vote(self.settings, self.progress, step, clock))
-        if self.world > 1:
-            torch.distributed.all_reduce(votes)
-        loss_sum, nll_sum, grad_norm, stop_votes, budget_votes, window_votes = votes.tolist()
-        if window_votes > 0:
+        stop_after, clock = self.job.stop_after_steps, self.progress.wall_seconds + self.clock() - loop_start
+        outcome = agreed_outcome(
+            sums, torch.nn.utils.get_total_norm(gradients).double() / self.world, self.world,
+            stopping=stop.signal is not None or (stop_after is not None and step - start_step >= stop_after),
+            over_budget=clock >= budget, last_step=step == self.settings.steps,
+            window=self.dist.is_main and window_vote(self.settings, self.progress, step, clock))
+        if outcome.window:
             self.progress.window_clock = clock  # saved with the checkpoint: a resumed run spaces from it
-        return StepOutcome(loss_sum, nll_sum, grad_norm, stopping=stop_votes > 0,
-                           last=step == self.settings.steps or budget_votes > 0, window=window_votes > 0)
+        return outcome
 
     def optimizer_step(self, step: int, grad_norm: float) -> float:
         lr = learning_rate(step, self.model_config.d_model, self.settings.warmup_steps, self.settings.lr_scale)
@@ -194,10 +193,15 @@ class Trainer:
     def run(self) -> dict:
         """Train until the last step or the time budget; returns the summary written to ``final.json``."""
         settings, main = self.settings, self.dist.is_main
+        facts = RunFacts(self.model.num_parameters(), self.world, settings.device_tokens, self.device_name,
+                         self.precision)
+        self.tracker = (start_tracking(self.job, self.data, facts, self.resumed_from, self.progress.step)
+                        if main else None)
         self.loop = loop = LoopState.open(self.job.preset["name"], settings, self.progress,
                                           main and self.job.progress_bar, self.clock())
         status = "FAILED"
         try:
+            self.training_model = self.state.training_objective(settings, self.world, self.device)
             self.training_model.train()
             # within the loop the budget ends a run only through the vote (outcome.last), so that every
             # process stops at the same step and that step is written as a window checkpoint
@@ -215,7 +219,9 @@ class Trainer:
             loop.bar.close()
             if main and not self.checkpoints.written(self.progress.step) and self.progress.step:
                 self.save_checkpoint(window=True)  # the run's end is always in the averaging window
-            summary = self.finish() if main else {}
+            # rank 0: the final dev evaluation, final.pt and final.json
+            summary = (write_final(self, self.dev.final(self.model, settings, self.progress, self.tracker))
+                       if main else {})
             status = "FINISHED"
             return summary
         finally:
@@ -223,7 +229,7 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.end(status)
             if self.world > 1 and torch.distributed.is_initialized():
-                self.leave_process_group(everyone_here=status in ("FINISHED", "KILLED"))
+                leave_process_group(self, everyone_here=status in ("FINISHED", "KILLED"))
 
     def train_step(self, step: int) -> StepOutcome | None:
         """Step ``step`` from its batches to its checkpoint; its outcome, or None where it diverged and the run
@@ -264,19 +270,16 @@ class Trainer:
         self.tracker.log_metrics(metrics, step)
         self.loop.show(metrics, lr)
 
-    def leave_process_group(self, everyone_here: bool) -> None:
-        """Take the process group down while every peer still holds its own. DDP's reducer keeps the
-        group alive past ``destroy_process_group``; freed later, once a peer had exited, gloo's
-        destructor waited for its threads for ever (seen as a hang at the end of a finished run)."""
-        if everyone_here:  # the end and a preemption are agreed by a vote: all processes are here
-            torch.distributed.barrier()
-        self.training_model = None
-        gc.collect()
-        torch.distributed.destroy_process_group()
 
-    def finish(self) -> dict:
-        """The final dev evaluation, ``final.pt`` and ``final.json`` (rank 0)."""
-        return write_final(self, self.dev.final(self.model, self.settings, self.progress, self.tracker))
+def leave_process_group(trainer: Trainer, everyone_here: bool) -> None:
+    """Take the process group down while every peer still holds its own. DDP's reducer (in the trainer's
+    objective) keeps the group alive past ``destroy_process_group``; freed later, once a peer had exited,
+    gloo's destructor waited for its threads for ever (seen as a hang at the end of a finished run)."""
+    if everyone_here:  # the end and a preemption are agreed by a vote: all processes are here
+        torch.distributed.barrier()
+    trainer.training_model = None
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def train(job: TrainJob) -> dict:
