@@ -324,45 +324,38 @@ def test_an_option_beside_the_config_files_is_checked_by_the_schemas_rule_and_na
     assert not (tmp_path / "out").exists()
 
 
-# command, the option's dest, the option and a good value (as typed, as parsed), the key, the files' value of it
+# command, the option and a good value (as typed, as parsed), the key, the files' value of it
 GOOD_OPTIONS = [
-    ("compare", "experiment", "--experiment", "other", "other", "experiment", "fromfile"),
-    ("compare", "tracking_uri", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db", "tracking_uri",
-     "sqlite:///fromfile.db"),
-    ("demo", "seed", "--seed", "5", 5, "data.demo.seed", 3),
+    ("compare", "--experiment", "other", "other", "experiment", "fromfile"),
+    ("compare", "--tracking-uri", "sqlite:///x.db", "sqlite:///x.db", "tracking_uri", "sqlite:///fromfile.db"),
+    ("demo", "--seed", "5", 5, "data.demo.seed", 3),
 ]
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["given", "left_at_default"])
-@pytest.mark.parametrize("command, dest, option, typed, value, key, from_file", GOOD_OPTIONS)
-def test_a_good_option_beside_the_config_files_wins_and_one_left_out_does_not(command, dest, option, typed, value,
-                                                                              key, from_file, given, tmp_path,
-                                                                              monkeypatch):
-    """The option given wins over the files, in the command's arguments and in the config read through the
-    door; an option left at its default leaves the files' value."""
+@pytest.mark.parametrize("command, option, typed, value, key, from_file", GOOD_OPTIONS)
+def test_a_good_option_beside_the_config_files_wins_and_one_left_out_does_not(command, option, typed, value, key,
+                                                                              from_file, given, tmp_path, monkeypatch):
+    """The option given wins over the files in the config the command reads through the door; an option left
+    out leaves the files' value."""
     import aiayn.config as config_module
 
     seen = {}
-    real = config_module.parse_with_config
+    real = config_module.config_from_arguments
 
     def spy(*arguments, **keywords):
-        seen["args"], seen["config"] = real(*arguments, **keywords)
+        seen["config"] = real(*arguments, **keywords)
         raise Entered
 
-    module = importlib.import_module(cli.COMMANDS[command][0])
-    monkeypatch.setattr(config_module, "parse_with_config", spy)
-    if hasattr(module, "parse_with_config"):
-        monkeypatch.setattr(module, "parse_with_config", spy)
+    monkeypatch.setattr(config_module, "config_from_arguments", spy)
     config = write(tmp_path / "c.yaml", FILE_SETTINGS)
     argv = ["--config", config, *[a.format(tmp=tmp_path) for a in LEAST[command]]]
     with pytest.raises(Entered):
-        module.main(argv + ([option, typed] if given else []))
-    expected = value if given else from_file
-    assert getattr(seen["args"], dest) == expected
+        importlib.import_module(cli.COMMANDS[command][0]).main(argv + ([option, typed] if given else []))
     node = seen["config"]
     for part in key.split("."):
         node = node[part]
-    assert node == expected
+    assert node == (value if given else from_file)
 
 
 # command, its settings class and field, the option and a good value (as typed, as read), the files' value of it

@@ -207,15 +207,20 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
-@cli
-def main(argv=None):
-    args = arguments().parse_args(argv)
-    settings = AverageSettings.from_arguments(args)
+def _checkpoints_to_average(args: argparse.Namespace, settings: AverageSettings) -> list[Path]:
+    """The files to average: the last K of --checkpoint-dir, or the files listed (one way, not both)."""
     if (settings.last is None) != (args.checkpoint_dir is None):
         raise UserError("--last K and --checkpoint-dir DIR go together; give both, or list checkpoint files instead")
     if settings.last is not None and args.checkpoints:
         raise UserError("give either --last K --checkpoint-dir DIR or a list of checkpoint files, not both")
-    paths = last_checkpoints(args.checkpoint_dir, settings.last) if settings.last is not None else args.checkpoints
+    return last_checkpoints(args.checkpoint_dir, settings.last) if settings.last is not None else args.checkpoints
+
+
+@cli
+def main(argv=None):
+    args = arguments().parse_args(argv)
+    settings = AverageSettings.from_arguments(args)
+    paths = _checkpoints_to_average(args, settings)
     # every checkpoint of --checkpoint-dir, not only the last K: replacing any would break the run's resume
     run_checkpoints = ([path for _, path in list_checkpoints(args.checkpoint_dir, safety=True)]
                        if settings.last is not None else [])
@@ -246,15 +251,20 @@ def main(argv=None):
     if comparison is not None and args.summary:
         write_json_atomic(args.summary, comparison)
     if args.log_to_run:
-        from aiayn.tracking import log_to_existing_run
+        _log_to_run(args.log_to_run, settings.tracking_uri, len(paths), steps, comparison)
 
-        metrics, tags, params = {"averaged_checkpoints": len(paths)}, {"averaged_steps": steps}, {}
-        if comparison is not None:
-            metrics.update({key: comparison[key] for key in DEV_METRICS})
-            tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
-            # a param, as asked of MLflow's runs view; the tag keeps the latest where a rerun chose anew
-            params["reported_model"] = tags["reported_model"] = comparison["reported_model"]
-        log_to_existing_run(args.log_to_run, settings.tracking_uri, metrics=metrics, params=params, tags=tags)
+
+def _log_to_run(final_json: Path, tracking_uri: str, averaged: int, steps: str, comparison: dict | None) -> None:
+    """The averaged steps, and the dev comparison where there is one, on the training run's MLflow run."""
+    from aiayn.tracking import log_to_existing_run
+
+    metrics, tags, params = {"averaged_checkpoints": averaged}, {"averaged_steps": steps}, {}
+    if comparison is not None:
+        metrics.update({key: comparison[key] for key in DEV_METRICS})
+        tags["averaged_worse_than_last"] = str(comparison["averaged_worse"]).lower()
+        # a param, as asked of MLflow's runs view; the tag keeps the latest where a rerun chose anew
+        params["reported_model"] = tags["reported_model"] = comparison["reported_model"]
+    log_to_existing_run(final_json, tracking_uri, metrics=metrics, params=params, tags=tags)
 
 
 DEV_METRICS = ("dev_ppl_last", "dev_ppl_averaged", "dev_nll_last", "dev_nll_averaged", "dev_nll_difference",

@@ -108,7 +108,7 @@ def _last_step(mlflow, run_id: str) -> int | None:
 
 @cli
 def main(argv=None):
-    from aiayn.config import parse_with_config
+    from aiayn.config import config_from_arguments
 
     parser = argparse.ArgumentParser(prog="aiayn compare", description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", metavar="FILE",
@@ -117,21 +117,22 @@ def main(argv=None):
     parser.add_argument("--tracking-uri", default=None, help="default: MLFLOW_TRACKING_URI or sqlite:///results/mlflow.db")
     parser.add_argument("--latest", action="store_true", help="only the newest finished run of each preset and seed")
     parser.add_argument("--csv", help="also write the table to this CSV file")
-    args, _ = parse_with_config(parser, argv, lambda config, _: {"experiment": config["experiment"],
-                                                                 "tracking_uri": config["tracking_uri"]},
-                                {"experiment": "experiment", "tracking_uri": "tracking_uri"})
-    if args.experiment is None:
+    args = parser.parse_args(argv)
+    if args.experiment is None and not args.config:
         raise UserError("aiayn compare: name the runs' experiment, --experiment NAME (the config's `experiment`), "
                         "or give the config: --config FILE...")
+    config = config_from_arguments(args, {"experiment": ("--experiment", "experiment"),
+                                          "tracking_uri": ("--tracking-uri", "tracking_uri")})
+    experiment, tracking_uri = config["experiment"], config["tracking_uri"]
     if args.csv:
         from aiayn.writing import refuse_overwriting_inputs
         from aiayn.tracking import resolve_tracking_uri
 
-        store = local_store(resolve_tracking_uri(args.tracking_uri))
+        store = local_store(resolve_tracking_uri(tracking_uri))
         refuse_overwriting_inputs({"--csv": args.csv}, {"--tracking-uri": store, "--config": args.config})
-    table = compare_runs(args.experiment, args.tracking_uri, args.latest)
+    table = compare_runs(experiment, tracking_uri, args.latest)
     if table.empty:
-        print(f"no training runs in experiment {args.experiment!r}")
+        print(f"no training runs in experiment {experiment!r}")
         return 0
     if args.csv:
         from aiayn.writing import atomic_path

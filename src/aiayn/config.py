@@ -86,8 +86,6 @@ def _source_values(source: str) -> Any:
     """What one source sets: an override's values, a file's mapping (None where it cannot be read)."""
     if isinstance(source, ConfigOverrides):
         return source.values
-    if source == "--config":
-        return None
     try:
         return load_yaml(source)
     except UserError:
@@ -327,32 +325,6 @@ def write_resolved(config: dict, path: str | Path) -> str:
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
         write_text_atomic(path, text)
     return str(path)
-
-
-def parse_with_config(parser, argv, defaults, keys: dict | None = None) -> tuple[Any, dict | None]:
-    """``parser``'s options, where a command takes ``--config FILE...`` beside options that set its keys
-    (``aiayn compare --experiment``): the config read through the door (or None without files) and the options parsed with
-    their defaults taken from it (``defaults(config, args)``: option dest -> value). ``keys`` maps the dest
-    of an option that sets a config key to that dotted key (``"choose": "average.choose"``): given on the
-    command line, it goes through the door beside the files (checked by the schema's rule for its key, a
-    wrong value blamed on the option) and wins over them; without files it is checked alone, by its
-    section's rule. An option left at its default sets nothing."""
-    keys, unset = keys or {}, object()
-    args = parser.parse_args(argv)  # --help and a wrong option end here, with the real defaults shown
-    saved = {dest: parser.get_default(dest) for dest in keys}
-    parser.set_defaults(**dict.fromkeys(keys, unset))  # parsed again: which of them the command line gave
-    given = parser.parse_args(argv)
-    parser.set_defaults(**saved)
-    names = {action.dest: max(action.option_strings, key=len) for action in parser._actions if action.option_strings}
-    options = {key: (names[dest], getattr(given, dest)) for dest, key in keys.items()
-               if getattr(given, dest) is not unset}
-    if not getattr(args, "config", None):
-        for section in sorted({key.split(".")[0] for key in options}):
-            read_config(None, section, {key: pair for key, pair in options.items() if key.split(".")[0] == section})
-        return args, None
-    config = read_config(args.config, None, options)
-    parser.set_defaults(**defaults(config, args))
-    return parser.parse_args(argv), config
 
 
 def section_from_arguments(args, section: str, options: dict | None = None) -> dict:

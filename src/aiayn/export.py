@@ -92,17 +92,35 @@ def export_ctranslate2(model: Transformer, pieces: Sequence[str], out_dir: str |
     from aiayn.writing import atomic_path
 
     _require("ctranslate2", "4.8.5")
-    from ctranslate2.specs import common_spec, transformer_spec
-
     _check_heads(model, "CTranslate2")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise UserError(f"--quantization {quantization!r} is not one of CTranslate2's: {', '.join(QUANTIZATIONS)}")
+    spec = _ctranslate2_spec(model)
+    _map_ctranslate2_weights(spec, model)
+    _set_ctranslate2_vocabulary(spec, list(pieces), model.encoder[0].self_attention_norm.eps)
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    with atomic_path(out_dir, directory=True) as tmp:
+        tmp.mkdir()
+        spec.save(str(tmp))
+        write_marker(tmp, "ctranslate2")
+    return Path(out_dir)
+
+
+def _ctranslate2_spec(model: Transformer):
+    """CTranslate2's empty TransformerSpec of our shape: post-norm, ReLU, our layers and heads."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
     config = model.config
     head_dim = config.head_dim if config.head_dim * config.n_heads != config.d_model else None
     shape = dict(pre_norm=False, activation=common_spec.Activation.RELU, head_dim=head_dim)
     encoder = transformer_spec.TransformerEncoderSpec(config.n_layers, config.n_heads, **shape)
     decoder = transformer_spec.TransformerDecoderSpec(config.n_layers, config.n_heads, **shape)
-    spec = transformer_spec.TransformerSpec(encoder, decoder)
+    return transformer_spec.TransformerSpec(encoder, decoder)
+
+
+def _map_ctranslate2_weights(spec, model: Transformer) -> None:
+    """Our weights into ``spec``, layer by layer: one embedding matrix for source, target and output."""
 
     def array(tensor: Tensor):
         return tensor.detach().float().cpu().numpy()
@@ -113,6 +131,12 @@ def export_ctranslate2(model: Transformer, pieces: Sequence[str], out_dir: str |
 
     def norm(target, source: torch.nn.LayerNorm) -> None:
         target.gamma, target.beta = array(source.weight), array(source.bias)
+
+    def self_attention(target, layer) -> None:
+        attention = layer.self_attention
+        linear(target.self_attention.linear[0], attention.query, attention.key, attention.value)
+        linear(target.self_attention.linear[1], attention.output)
+        norm(target.self_attention.layer_norm, layer.self_attention_norm)
 
     def feed_forward(target, layer) -> None:
         linear(target.linear_0, layer.feed_forward.inner)
@@ -127,16 +151,10 @@ def export_ctranslate2(model: Transformer, pieces: Sequence[str], out_dir: str |
     spec.decoder.embeddings.weight = embedding
     spec.decoder.projection.weight = embedding  # the tied pre-softmax layer, no bias (CTranslate2 stores it once)
     for target, layer in zip(spec.encoder.layer, model.encoder):
-        attention = layer.self_attention
-        linear(target.self_attention.linear[0], attention.query, attention.key, attention.value)
-        linear(target.self_attention.linear[1], attention.output)
-        norm(target.self_attention.layer_norm, layer.self_attention_norm)
+        self_attention(target, layer)
         feed_forward(target.ffn, layer)
     for target, layer in zip(spec.decoder.layer, model.decoder):
-        attention = layer.self_attention
-        linear(target.self_attention.linear[0], attention.query, attention.key, attention.value)
-        linear(target.self_attention.linear[1], attention.output)
-        norm(target.self_attention.layer_norm, layer.self_attention_norm)
+        self_attention(target, layer)
         cross = layer.cross_attention
         linear(target.attention.linear[0], cross.query)
         linear(target.attention.linear[1], cross.key, cross.value)
@@ -144,20 +162,15 @@ def export_ctranslate2(model: Transformer, pieces: Sequence[str], out_dir: str |
         norm(target.attention.layer_norm, layer.cross_attention_norm)
         feed_forward(target.ffn, layer)
 
-    pieces = list(pieces)
+
+def _set_ctranslate2_vocabulary(spec, pieces: list[str], layer_norm_epsilon: float) -> None:
+    """The pieces as both vocabularies, our special tokens, and "</s>" added to each source (not "<s>")."""
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = pieces[UNK_ID], pieces[BOS_ID], pieces[EOS_ID]
     spec.config.decoder_start_token = pieces[BOS_ID]
     spec.config.add_source_bos, spec.config.add_source_eos = False, True
-    spec.config.layer_norm_epsilon = model.encoder[0].self_attention_norm.eps
-    spec.validate()
-    spec.optimize(quantization=quantization)
-    with atomic_path(out_dir, directory=True) as tmp:
-        tmp.mkdir()
-        spec.save(str(tmp))
-        write_marker(tmp, "ctranslate2")
-    return Path(out_dir)
+    spec.config.layer_norm_epsilon = layer_norm_epsilon
 
 
 def marian_permutation(d_model: int) -> Tensor:
@@ -229,12 +242,22 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
     (default: the schema's decode section, the paper's), pad and BOS never generated, EOS forced at the length limit (transformers' length penalty is len ** alpha,
     not ours, so it is left at transformers' default).
     """
-    from aiayn.writing import atomic_path
-
     _require("transformers", "5.23.0")
     import sentencepiece as spm
-    from transformers import GenerationConfig, MarianConfig, MarianMTModel, MarianTokenizer
 
+    _check_marian_can_hold(model)
+    processor = spm.SentencePieceProcessor(model_file=str(spm_model))
+    pieces = [processor.id_to_piece(index) for index in range(processor.get_piece_size())]
+    positions = max(model.config.max_positions, MIN_SINUSOID_ROWS)
+    marian = _marian_model(model, positions)
+    marian.generation_config = _marian_generation_config(positions, search or SearchConfig())
+    _write_marian_folder(marian, spm_model, pieces, positions, out_dir)
+    return Path(out_dir)
+
+
+def _check_marian_can_hold(model: Transformer) -> None:
+    """Refuse what Marian cannot express: learned or no positions, keys and values of different sizes,
+    heads that do not split d_model evenly."""
     config = model.config
     if config.positional != "sinusoidal":
         raise UserError(
@@ -248,9 +271,13 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
             f"the model has n_heads * d_head = {config.n_heads} * {config.head_dim} != d_model = {config.d_model}; "
             "Marian's heads always split d_model evenly; export this model with --format ctranslate2"
         )
-    processor = spm.SentencePieceProcessor(model_file=str(spm_model))
-    pieces = [processor.id_to_piece(index) for index in range(processor.get_piece_size())]
-    positions = max(config.max_positions, MIN_SINUSOID_ROWS)
+
+
+def _marian_model(model: Transformer, positions: int):
+    """A MarianMTModel of our shape holding our weights (``marian_state_dict``)."""
+    from transformers import MarianConfig, MarianMTModel
+
+    config = model.config
     marian_config = MarianConfig(
         vocab_size=config.vocab_size, decoder_vocab_size=config.vocab_size, d_model=config.d_model,
         encoder_layers=config.n_layers, decoder_layers=config.n_layers,
@@ -267,11 +294,27 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
     left = [name for name in missing if not name.endswith("embed_positions.weight") and name != "final_logits_bias"]
     if left or unexpected:
         raise RuntimeError(f"Marian's weights do not match ours: missing {left}, unexpected {unexpected}")
-    marian.generation_config = GenerationConfig(
+    return marian
+
+
+def _marian_generation_config(positions: int, search: SearchConfig):
+    """transformers' generation defaults for the folder: `aiayn decode`'s search where Marian can express it."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
         decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=positions,
-        num_beams=(search or SearchConfig()).beam_size,  # as `aiayn decode` searches: decode.beam_size
+        num_beams=search.beam_size,  # as `aiayn decode` searches: decode.beam_size
     )
+
+
+def _write_marian_folder(marian, spm_model: str | Path, pieces: list[str], positions: int,
+                         out_dir: str | Path) -> None:
+    """The model, its tokenizer (our SentencePiece model for both sides) and our marker, written as one folder."""
+    from transformers import MarianTokenizer
+
+    from aiayn.writing import atomic_path
+
     with atomic_path(out_dir, directory=True) as tmp:
         marian.save_pretrained(tmp)
         tmp_spm = tmp / "spm.model"
@@ -284,7 +327,6 @@ def export_huggingface(model: Transformer, spm_model: str | Path, out_dir: str |
         tokenizer.save_pretrained(tmp)
         tmp_spm.unlink()
         write_marker(tmp, "huggingface")
-    return Path(out_dir)
 
 
 def arguments() -> argparse.ArgumentParser:

@@ -230,7 +230,7 @@ def _final_of(path: Path) -> Path:
 
 @cli
 def main(argv=None):
-    from aiayn.config import parse_with_config
+    from aiayn.config import config_from_arguments
 
     parser = argparse.ArgumentParser(prog="aiayn reference", description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", metavar="FILE",
@@ -238,12 +238,15 @@ def main(argv=None):
     parser.add_argument("--runs", type=Path, nargs="+", required=True,
                         help="finished runs of one preset, one per seed: their folders or final.json")
     parser.add_argument("--out", type=Path, required=True, help="the reference file to write (JSON)")
-    parser.add_argument("--experiment", default="",
+    parser.add_argument("--experiment",
                         help="the experiment the runs belong to (default: --config's, else final.json's)")
     parser.add_argument("--tolerance", type=float, default=0.0,
                         help="widen the band by this share either side before a run is placed (default 0)")
     parser.add_argument("--allow-single", action="store_true", help="accept one run: a band of zero width")
-    args, _ = parse_with_config(parser, argv, lambda config, _: {"experiment": config["experiment"]})
+    args = parser.parse_args(argv)
+    # neither --config nor --experiment: "", the runs' own (final.json's)
+    experiment = (config_from_arguments(args, {"experiment": ("--experiment", "experiment")})["experiment"]
+                  if args.config or args.experiment else "")
     finals, sources = [], []
     for run in args.runs:
         path = _final_of(run)
@@ -253,7 +256,7 @@ def main(argv=None):
         sources.append(str(path))
     if not 0 <= args.tolerance < 1:
         raise UserError(f"--tolerance {args.tolerance}: give a share between 0 and 1")
-    reference = reference_from_runs(finals, sources, args.experiment, args.allow_single)
+    reference = reference_from_runs(finals, sources, experiment, args.allow_single)
     reference["tolerance"] = args.tolerance
     write_json_atomic(args.out, {"format": FORMAT, "references": [reference]})
     print(f"{args.out}: {reference['preset']}, {len(reference['seeds'])} seed(s), {len(reference['points'])} points")

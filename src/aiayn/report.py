@@ -275,6 +275,21 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
     if base not in presets:
         raise UserError(f"--base {base}: not one of the reported presets ({', '.join(presets)})")
     runs, files = collect_runs(presets, run_files)
+    table2, table3 = _tables(runs)
+    if bootstrap_samples:
+        bootstrap = bootstrap_against_base(runs, files, dev_references and Path(dev_references), base,
+                                           bootstrap_samples)
+        table3 = table3.merge(bootstrap, on="preset", how="left")
+    out_dir = Path(out_dir)
+    written = _write_tables(table2, table3, out_dir, runs["sacrebleu_signature"].iloc[0], base, bootstrap_samples)
+    if figures:
+        written += _draw_figures(table3, files, reference, out_dir)
+    return {"table2": table2, "table3": table3, "runs": runs, "run_files": files, "base": base,
+            "files": written}
+
+
+def _tables(runs):
+    """(Table 2, Table 3) of the runs, each row a preset beside the paper's figures."""
     tokens = ["real_src_tokens_per_step", "real_tgt_tokens_per_step"]
     table2 = _with_run_text(_with_tokens_column(summarise(
         runs, ["test_bleu_tok", "test_sacrebleu", "test_length_ratio", "test_chrf", *tokens, "steps", "train_hours",
@@ -286,12 +301,11 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
                "dev_ppl_last", "dev_ppl_averaged"],
         {"dev_ppl": "paper_ppl_dev", "dev_bleu_tok": "paper_bleu_dev", "params": "paper_params"}))
     table3 = _with_run_text(_with_run_text(table3, runs, "averaged_steps"), runs, "reported_model")
-    if bootstrap_samples:
-        bootstrap = bootstrap_against_base(runs, files, dev_references and Path(dev_references), base,
-                                           bootstrap_samples)
-        table3 = table3.merge(bootstrap, on="preset", how="left")
-    out_dir = Path(out_dir)
-    signature = runs["sacrebleu_signature"].iloc[0]
+    return table2, table3
+
+
+def _write_tables(table2, table3, out_dir: Path, signature: str, base: str, bootstrap_samples: int) -> list[Path]:
+    """Each table as .csv (every column) and .md (the columns with a value, and the notes); the files written."""
     written = []
     for name, table, title in zip(TABLES, (table2, table3), (
         "Table 2: the test split (newstest2014 in the paper), averaged checkpoints (or the last, where worse on dev)",
@@ -309,20 +323,23 @@ def build_report(presets: dict, run_files: Sequence[RunFiles], out_dir: str | Pa
                          f"{', '.join(f'`{column}`' for column in left_out)}.\n" if left_out else "")
         write_text_atomic(out_dir / f"{name}.md", f"# {title}\n\n{markdown}{notes}{left_out_note}")
         written += [out_dir / f"{name}.csv", out_dir / f"{name}.md"]
-    if figures:
-        from aiayn import plots
-        from aiayn.reference import band_figures
+    return written
 
-        written.append(plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / DEV_PPL_FIGURE))
-        written += band_figures({key: run.final for key, run in files.items()}, reference, out_dir)
-        std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
-        labels = [preset if row == preset else f"{preset}\n({row})"
-                  for preset, row in zip(table3["preset"], table3["row"])]
-        written.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
-                                            table3["paper_bleu_dev"], out_dir / TABLE3_BLEU_FIGURE,
-                                            ylabel="dev BLEU (tokenized, as the paper's)"))
-    return {"table2": table2, "table3": table3, "runs": runs, "run_files": files, "base": base,
-            "files": written}
+
+def _draw_figures(table3, files: dict, reference: str, out_dir: Path) -> list[Path]:
+    """dev_ppl.png, each preset's runs over its reference's band, and table3_bleu.png; the files written."""
+    from aiayn import plots
+    from aiayn.reference import band_figures
+
+    written = [plots.plot_dev_perplexity(dev_perplexity_curves(files), out_dir / DEV_PPL_FIGURE)]
+    written += band_figures({key: run.final for key, run in files.items()}, reference, out_dir)
+    std = table3["dev_bleu_tok_std"] if "dev_bleu_tok_std" in table3 else None
+    labels = [preset if row == preset else f"{preset}\n({row})"
+              for preset, row in zip(table3["preset"], table3["row"])]
+    written.append(plots.plot_table3_bleu(labels, table3["dev_bleu_tok"], std,
+                                        table3["paper_bleu_dev"], out_dir / TABLE3_BLEU_FIGURE,
+                                        ylabel="dev BLEU (tokenized, as the paper's)"))
+    return written
 
 
 def base_run_file(report: dict) -> Path | None:
@@ -381,8 +398,7 @@ class ReportSettings:
                    reference=config["train"]["reference"], tracking_uri=config["tracking_uri"])
 
 
-@cli
-def main(argv=None):
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn report", description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", metavar="FILE", required=True,
                         help="config files (merged in order, validated once): their models' presets, their decode "
@@ -412,8 +428,11 @@ def main(argv=None):
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking_uri's; MLFLOW_TRACKING_URI "
                                                "wins)")
     parser.add_argument("--no-tracking", action="store_true", help="do not log the report to MLflow")
-    args = parser.parse_args(argv)
-    settings = ReportSettings.from_arguments(args)
+    return parser
+
+
+def _refuse_overwriting_inputs(args: argparse.Namespace) -> None:
+    """None of the files the report writes into --out-dir may be one it reads."""
     refuse_overwriting_inputs(
         {"--out-dir": [Path(args.out_dir) / name for name in ("table2.csv", "table2.md", "table3.csv", "table3.md",
                        "dev_ppl.png", "table3_bleu.png", "attention_long_distance.png", "attention_anaphora.png",
@@ -423,6 +442,28 @@ def main(argv=None):
          "--averages": args.averages,
          "--attention-model": args.attention_model, "--spm-model": args.spm_model, "--explorer-dev": args.explorer_dev,
          "--config": args.config})
+
+
+def _log_report(report: dict, files: list[Path], tracking_uri: str) -> None:
+    """The report's files as artifacts of the base preset's run; a warning, not a failure, where that cannot be."""
+    run_file = base_run_file(report)
+    if run_file is None:
+        print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)
+        return
+    from aiayn.tracking import log_to_existing_run
+
+    try:
+        log_to_existing_run(run_file, tracking_uri, metrics={}, artifacts=files, artifact_path="report")
+    except Exception as error:  # the tables and pictures are written; a store that went away must not undo them
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"warning: the report was not logged to MLflow ({reason})", file=sys.stderr)
+
+
+@cli
+def main(argv=None):
+    args = arguments().parse_args(argv)
+    settings = ReportSettings.from_arguments(args)
+    _refuse_overwriting_inputs(args)
     if args.attention_model is not None and args.spm_model is None:
         raise UserError("--attention-model needs --spm-model, the vocabulary the model was trained with")
     report = build_report(settings.presets, run_files_from_arguments(args), args.out_dir,
@@ -435,17 +476,8 @@ def main(argv=None):
         drawn = appendix_figures(args.attention_model, args.spm_model, args.out_dir)
         files += [drawn["long_distance"], drawn["anaphora"]]
         files.append(attention_explorer(args, settings.decode))
-    run_file = base_run_file(report)
-    if not args.no_tracking and run_file is None:
-        print(f"warning: no run of the base preset {report['base']} to log the report into", file=sys.stderr)
-    elif not args.no_tracking:
-        from aiayn.tracking import log_to_existing_run
-
-        try:
-            log_to_existing_run(run_file, settings.tracking_uri, metrics={}, artifacts=files, artifact_path="report")
-        except Exception as error:  # the tables and pictures are written; a store that went away must not undo them
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            print(f"warning: the report was not logged to MLflow ({reason})", file=sys.stderr)
+    if not args.no_tracking:
+        _log_report(report, files, settings.tracking_uri)
     print(report["table3"].to_string(index=False))
     print()
     print(report["table2"].to_string(index=False))

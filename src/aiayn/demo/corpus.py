@@ -55,28 +55,29 @@ def generate_corpus(seed: int, sizes: dict[str, int]) -> dict[str, list[tuple[st
 
 @cli
 def main(argv: Sequence[str] | None = None) -> int:
-    from aiayn.config import parse_with_config, schema_default
+    from aiayn.config import config_from_arguments
 
     parser = argparse.ArgumentParser(prog="aiayn demo", description="The embedded demo corpus: synthetic English -> German-like sentence pairs from a seed.")
     parser.add_argument("--config", nargs="+", metavar="FILE",
                         help="config files (merged in order, validated once): their data.demo and languages")
-    demo = {key: schema_default(f"data.demo.{key}") for key in ("seed", "train", "dev", "test")}
-    parser.add_argument("--seed", type=int, default=demo["seed"])
+    parser.add_argument("--seed", type=int, help="the corpus' seed (default: data.demo.seed's)")
     for split in ("train", "dev", "test"):
-        parser.add_argument(f"--{split}", type=int, default=demo[split], help=f"pairs in the {split} split")
+        parser.add_argument(f"--{split}", type=int, help=f"pairs in the {split} split (default: data.demo.{split}'s)")
     parser.add_argument("--out-dir", required=True, help="folder for <split>.<lang>")
-    parser.add_argument("--src-lang", default=schema_default("data.src_lang"), help="suffix of the English-like files")
-    parser.add_argument("--tgt-lang", default=schema_default("data.tgt_lang"), help="suffix of the German-like files")
-    args, _ = parse_with_config(parser, argv, lambda config, _: {
-        **config["data"]["demo"], "src_lang": config["data"]["src_lang"], "tgt_lang": config["data"]["tgt_lang"]},
-        {**{key: f"data.demo.{key}" for key in demo}, "src_lang": "data.src_lang", "tgt_lang": "data.tgt_lang"})
-    if args.src_lang == args.tgt_lang:
-        raise UserError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they must differ")
-    corpus = generate_corpus(args.seed, {"train": args.train, "dev": args.dev, "test": args.test})
+    parser.add_argument("--src-lang", help="suffix of the English-like files (default: data.src_lang's)")
+    parser.add_argument("--tgt-lang", help="suffix of the German-like files (default: data.tgt_lang's)")
+    args = parser.parse_args(argv)
+    data = config_from_arguments(args, {
+        **{key: (f"--{key}", f"data.demo.{key}") for key in ("seed", "train", "dev", "test")},
+        "src_lang": ("--src-lang", "data.src_lang"), "tgt_lang": ("--tgt-lang", "data.tgt_lang")})["data"]
+    demo, src_lang, tgt_lang = data["demo"], data["src_lang"], data["tgt_lang"]
+    if src_lang == tgt_lang:
+        raise UserError(f"--src-lang and --tgt-lang are both {src_lang!r}; they must differ")
+    corpus = generate_corpus(demo["seed"], {split: demo[split] for split in ("train", "dev", "test")})
     out_dir = Path(args.out_dir)
     for split, pairs in corpus.items():
-        write_lines_atomic(out_dir / f"{split}.{args.src_lang}", [en for en, _ in pairs])
-        write_lines_atomic(out_dir / f"{split}.{args.tgt_lang}", [de for _, de in pairs])
+        write_lines_atomic(out_dir / f"{split}.{src_lang}", [en for en, _ in pairs])
+        write_lines_atomic(out_dir / f"{split}.{tgt_lang}", [de for _, de in pairs])
         print(f"{split}: {len(pairs)} pairs")
     return 0
 

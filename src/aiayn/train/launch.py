@@ -166,9 +166,7 @@ def _report_status(status: int, any_rank: bool = False) -> int:
     return status
 
 
-@cli
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", metavar="FILE", required=True,
                         help="config files, merged in order and validated (what the Snakefile passes: the resolved "
@@ -193,21 +191,13 @@ def main(argv=None):
                              "torchrun (default: one per GPU, up to the preset's gpus; 1 on the CPU)")
     parser.add_argument("--stop-after-steps", type=int, default=None,
                         help="checkpoint and exit with status 75 after this many steps (resume by rerunning)")
-    args = parser.parse_args(argv)
-    preset, train_section, experiment, tracking_uri = _settings(args)
-    if args.processes is not None and args.processes < 1:
-        raise UserError(f"--processes {args.processes}: give 1 or more")
-    refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
-                              {"--train-data": args.train_data, "--dev-data": args.dev_data,
-                               "--spm-model": args.spm_model}, {"--run-dir": args.run_dir / CHECKPOINTS})
-    several_nodes = nodes_of(preset) > 1 and not os.environ.get("WORLD_SIZE")
-    allocation = several_nodes_allocation(preset) if several_nodes else None  # refused outside SLURM
-    if is_worker_of_several_nodes():
-        end_with_parent()  # its node's agent: a worker left without one stops at the next step, checkpointing
-    if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
-        lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
-    job = TrainJob(preset, train_section, args.seed, args.train_data, args.dev_data, args.spm_model, args.run_dir,
-                   experiment, tracking_uri, not args.no_tracking, args.device, args.stop_after_steps)
+    return parser
+
+
+def _relaunch_if_several(args, argv: list[str], job: TrainJob, preset: dict,
+                         allocation: Allocation | None) -> int | None:
+    """The job's exit status where it runs as several processes (torchrun on this node, or srun over several
+    nodes); None where this process trains alone."""
     if allocation is not None:
         processes = processes_per_node(args.processes, job.requested_device, preset["gpus"])
         check_layout(nodes_of(preset) * processes, preset)
@@ -216,7 +206,11 @@ def main(argv=None):
     if processes > 1:
         check_layout(processes, preset)
         return _relaunch_under_torchrun(processes, argv, args.run_dir)
-    threads = args.threads or train_section["threads"]
+    return None
+
+
+def _train_here(job: TrainJob, threads: int) -> int:
+    """Train in this process; the exit status: 0 done, 75 preempted (rerun to resume), a user error raised."""
     if threads:
         torch.set_num_threads(threads)
     keep_freed_memory()  # the process that trains: each step reuses the last one's host memory
@@ -233,3 +227,27 @@ def main(argv=None):
     if summary:
         print(json.dumps({k: v for k, v in summary.items() if k != "dev_history"}, indent=2))
     return _report_status(0)
+
+
+@cli
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = arguments().parse_args(argv)
+    preset, train_section, experiment, tracking_uri = _settings(args)
+    if args.processes is not None and args.processes < 1:
+        raise UserError(f"--processes {args.processes}: give 1 or more")
+    refuse_overwriting_inputs({"--run-dir": [args.run_dir / FINAL_MODEL, args.run_dir / FINAL_SUMMARY]},
+                              {"--train-data": args.train_data, "--dev-data": args.dev_data,
+                               "--spm-model": args.spm_model}, {"--run-dir": args.run_dir / CHECKPOINTS})
+    several_nodes = nodes_of(preset) > 1 and not os.environ.get("WORLD_SIZE")
+    allocation = several_nodes_allocation(preset) if several_nodes else None  # refused outside SLURM
+    if is_worker_of_several_nodes():
+        end_with_parent()  # its node's agent: a worker left without one stops at the next step, checkpointing
+    if not os.environ.get("AIAYN_STATUS_FILE") and os.environ.get("RANK", "0") == "0":
+        lock = hold_run_lock(args.run_dir)  # noqa: F841 (held until the process ends); workers share the launcher's
+    job = TrainJob(preset, train_section, args.seed, args.train_data, args.dev_data, args.spm_model, args.run_dir,
+                   experiment, tracking_uri, not args.no_tracking, args.device, args.stop_after_steps)
+    status = _relaunch_if_several(args, argv, job, preset, allocation)
+    if status is not None:
+        return status
+    return _train_here(job, args.threads or train_section["threads"])
