@@ -78,7 +78,19 @@ class TrainSettings:
             precision=train["precision"], seed=seed,
             shape_buckets=buckets is True or (buckets == "auto" and device is not None and device.type == "cuda"),
             attention=train["attention"],
-        )
+            # not filled into presets (x-fill: false): a preset without them keeps its params, and its runs
+            **{key: preset.get(key, preset_default(key))
+               for key in ("schedule", "budget_warmup_share", "budget_floor", "budget_decay")},
+        ).checked(preset.get("name"))
+
+    def checked(self, preset_name: str | None) -> "TrainSettings":
+        """Refuse a budget schedule without a budget (a user mistake: exit 2, before any step)."""
+        if self.schedule == "budget" and not self.max_minutes:
+            raise UserError(
+                f"presets.{preset_name}.schedule: budget fits the learning-rate schedule to a time budget, and this "
+                f"run has none. Set train.max_minutes (or the preset's max_minutes), or leave schedule out (paper: "
+                f"warmup_steps, then the inverse square root)")
+        return self
 
 
     def batch_rule(self) -> dict:
@@ -119,6 +131,7 @@ class Progress:
     padded_target_tokens: int = 0
     dev_history: list = field(default_factory=list)
     window_clock: float | None = None  # wall_seconds when a budgeted run last decided a window checkpoint
+    budget_schedule: dict | None = None  # schedule: budget's fitted schedule (aiayn.train.budget_schedule), to resume it
     distinct_shapes: int = 0      # micro-batch shapes met for the first time by a process (aiayn.speed.shapes)
     new_shape_steps: int = 0      # steps that met one
     new_shape_seconds: float = 0.0  # and their seconds

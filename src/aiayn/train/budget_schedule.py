@@ -1,0 +1,171 @@
+"""A time-budgeted run's learning-rate schedule, fitted to the steps its budget will hold.
+
+A step-planned schedule (warmup, then the paper's inverse square root) is a different schedule on every machine
+when a clock ends the run: a slow box spends its budget climbing, a fast one decays for most of it. With
+``schedule: budget`` a run with a time budget (``train.max_minutes``) measures its own pace and fits:
+
+- the peak: the paper's formula at the preset's ``warmup_steps`` and ``lr_scale`` (the step-planned peak);
+- the warmup: ``budget_warmup_share`` of the projected steps, at most the preset's ``warmup_steps``. Until the
+  first ``MEASURE_STEPS`` steps have given a pace, the ramp climbs at the preset's own slope; from there it
+  climbs linearly to the peak at the fitted warmup's end;
+- the decay: from the peak to ``budget_floor`` x peak at the projected last step, ``linear`` or ``cosine``.
+
+The pace is the seconds per training step over the last ``RATE_WINDOW`` steps plus the run's overhead per step
+(dev evaluations, checkpoints: the run's clock less its step time, up to the last step that had one), so a dev
+evaluation does not read as a slowdown while a second job on the machine does. Every ``REVISE_EVERY`` steps the projection is revised; in the
+decay a revision restarts the shape from the current step and learning rate towards the new end, so it never
+raises the learning rate. The state is plain data, saved with each checkpoint: a resumed run continues it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from aiayn.train.schedule import learning_rate
+
+MEASURE_STEPS = 10  # steps timed before the first fit (the first ones also allocate and warm caches)
+SKIP_STEPS = 2      # the first steps, left out of the pace
+RATE_WINDOW = 50    # the recent steps the pace is measured on
+REVISE_EVERY = 10   # steps between revisions of the projection
+SHAPES = ("linear", "cosine")
+NOTEWORTHY = 0.05   # a revision that moves the projection by this share is logged (every one is in final.json)
+
+
+def decay_shape(shape: str, fraction: float) -> float:
+    """The share of the way from the floor to the start left at ``fraction`` (0..1) of a decay."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    if shape == "linear":
+        return 1.0 - fraction
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * fraction))
+    raise ValueError(f"unknown decay shape {shape!r} (one of {', '.join(SHAPES)})")
+
+
+@dataclass
+class BudgetSchedule:
+    """The fitted schedule and what it has measured (``state_dict`` / ``from_state``: the checkpoint's copy)."""
+
+    peak: float
+    floor: float            # the learning rate at the budget's end
+    preset_warmup: int
+    warmup_share: float
+    shape: str
+    budget: float           # seconds on the run's clock
+    warmup: int | None = None           # fitted at step MEASURE_STEPS
+    ramp_from: list = field(default_factory=list)   # [step, lr] where the fitted ramp starts
+    anchor: list = field(default_factory=list)      # [step, lr] where the current decay starts
+    end_step: int | None = None         # the projected last step
+    marks: list = field(default_factory=list)       # [step, training seconds, clock] of recent steps: the pace
+    overhead: list = field(default_factory=lambda: [0, 0.0])  # [step, seconds] at the last step with overhead
+    revisions: list = field(default_factory=list)   # {step, projected_steps, lr, seconds_per_step}
+
+    def lr(self, step: int) -> float:
+        """The learning rate of step ``step``."""
+        if self.warmup is None:
+            return self.peak * step / self.preset_warmup
+        if step <= self.warmup:
+            ramp_step, ramp_lr = self.ramp_from
+            if self.warmup <= ramp_step:
+                return self.peak
+            return ramp_lr + (self.peak - ramp_lr) * (step - ramp_step) / (self.warmup - ramp_step)
+        start, start_lr = self.anchor if self.anchor else (self.warmup, self.peak)
+        span = max(self.end_step - start, 1)
+        return self.floor + (start_lr - self.floor) * decay_shape(self.shape, (step - start) / span)
+
+    def observe(self, step: int, clock: float, train_seconds: float) -> dict | None:
+        """Step ``step`` is done, the run's clock at ``clock`` seconds of which ``train_seconds`` in training
+        steps (both summed over resumes, the same on every process). Returns the revision made, if any."""
+        previous = self.marks[-1] if self.marks else None
+        self.marks = (self.marks + [[step, train_seconds, clock]])[-(RATE_WINDOW + 1):]
+        marks = [mark for mark in self.marks if mark[0] > SKIP_STEPS]
+        if len(marks) < 2:
+            return None  # the first steps, or resumed: too few steps timed since
+        (first, first_seconds, _), (last, last_seconds, _) = marks[0], marks[-1]
+        step_pace = (last_seconds - first_seconds) / (last - first)
+        if previous is not None and previous[0] == step - 1:
+            extra = (clock - previous[2]) - (train_seconds - previous[1])
+            if extra > step_pace:  # a dev evaluation or a checkpoint: the overhead so far, per step
+                self.overhead = [step, clock - train_seconds]
+        due = step == MEASURE_STEPS if self.warmup is None else step % REVISE_EVERY == 0
+        if not due:
+            return None
+        pace = step_pace + (self.overhead[1] / self.overhead[0] if self.overhead[0] else 0.0)
+        projected = step + max(int((self.budget - clock) / max(pace, 1e-9)), 0)
+        lr_now = self.lr(step)
+        if self.warmup is None:
+            self.warmup = max(min(round(self.warmup_share * projected), self.preset_warmup), step)
+            self.ramp_from = [step, lr_now]
+        elif step > self.warmup:
+            self.anchor = [step, lr_now]  # the decay goes on from here: never back up
+        self.end_step = max(projected, self.warmup + 1)
+        revision = {"step": step, "projected_steps": self.end_step, "lr": lr_now, "seconds_per_step": pace}
+        self.revisions.append(revision)
+        return revision
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BudgetSchedule":
+        return cls(**state)
+
+    def summary(self) -> dict:
+        """What final.json and MLflow record of the fit."""
+        first = self.revisions[0] if self.revisions else {}
+        return {"budget_projected_steps": first.get("projected_steps"), "budget_final_projection": self.end_step,
+                "budget_warmup": self.warmup, "budget_peak_lr": self.peak, "budget_floor_lr": self.floor,
+                "budget_revisions": len(self.revisions)}
+
+
+def for_run(settings, d_model: int, saved: dict | None) -> BudgetSchedule | None:
+    """The run's fitted schedule (``TrainSettings``' ``schedule: budget``), or the one its checkpoint saved
+    (``saved``): a resumed run goes on with it; None for the paper's schedule."""
+    if settings.schedule != "budget":
+        return None
+    if saved:
+        return BudgetSchedule.from_state(saved)
+    peak = learning_rate(settings.warmup_steps, d_model, settings.warmup_steps, settings.lr_scale)
+    return BudgetSchedule(peak=peak, floor=settings.budget_floor * peak, preset_warmup=settings.warmup_steps,
+                          warmup_share=settings.budget_warmup_share, shape=settings.budget_decay,
+                          budget=settings.max_minutes * 60)
+
+
+def noteworthy(schedule: BudgetSchedule, revision: dict) -> bool:
+    """Whether ``revision`` is the first fit, or moves the projection by ``NOTEWORTHY`` from the last logged."""
+    logged = [r for r in schedule.revisions[:-1] if r.get("logged")]
+    if not logged or abs(revision["projected_steps"] / logged[-1]["projected_steps"] - 1) >= NOTEWORTHY:
+        revision["logged"] = True
+        return True
+    return False
+
+
+def describe(schedule: BudgetSchedule, revision: dict) -> str:
+    """The log's line for a logged revision."""
+    if revision is schedule.revisions[0]:
+        return (f"budget schedule: {revision['seconds_per_step']:.3f} s a step over the first steps, so about "
+                f"{revision['projected_steps']} steps in {schedule.budget / 60:g} minutes: warmup {schedule.warmup} "
+                f"steps to {schedule.peak:.3g}, then {schedule.shape} to {schedule.floor:.3g} at the budget's end")
+    return (f"budget schedule revised at step {revision['step']}: {revision['seconds_per_step']:.3f} s a step, "
+            f"the budget now ends at about step {revision['projected_steps']} (learning rate {revision['lr']:.3g}, "
+            f"never raised)")
+
+
+def played(schedule: BudgetSchedule, step_seconds: list[float], overhead_every: int = 0,
+           overhead_seconds: float = 0.0) -> list[tuple[int, float]]:
+    """(step, lr) of every step of a run whose steps take ``step_seconds`` (repeated), with ``overhead_seconds``
+    more on the clock every ``overhead_every`` steps (dev evaluations), until the budget is spent: what the
+    trainer does, played on a given pace (for tests and for planning)."""
+    clock = train = 0.0
+    out = []
+    step = 0
+    while clock < schedule.budget:
+        step += 1
+        seconds = step_seconds[(step - 1) % len(step_seconds)]
+        out.append((step, schedule.lr(step)))
+        clock += seconds
+        train += seconds
+        if overhead_every and step % overhead_every == 0:
+            clock += overhead_seconds
+        schedule.observe(step, clock, train)
+    return out

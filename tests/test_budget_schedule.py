@@ -1,0 +1,99 @@
+"""The schedule fitted to a time budget (aiayn.train.budget_schedule), played on faked step times."""
+
+import pytest
+
+from aiayn.train.budget_schedule import MEASURE_STEPS, BudgetSchedule, decay_shape, played
+
+PEAK = 1.26e-3
+
+
+def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500):
+    return BudgetSchedule(peak=PEAK, floor=floor, preset_warmup=warmup, warmup_share=share, shape=shape,
+                          budget=budget)
+
+
+def test_a_steady_pace_gives_the_stated_projection_warmup_and_decay():
+    fitted = schedule()
+    lrs = dict(played(fitted, [1.5]))
+    # the first fit, at step 10: 10 steps have taken 15 s, 885 s at 1.5 s a step hold 590 more
+    first = fitted.revisions[0]
+    assert first["step"] == MEASURE_STEPS and first["projected_steps"] == 600
+    assert fitted.warmup == 60  # 10% of 600, under the preset's 500
+    # before the fit, the preset's slope; then on to the peak at the fitted warmup's end
+    assert lrs[5] == pytest.approx(PEAK * 5 / 500)
+    assert lrs[60] == pytest.approx(PEAK) and max(lrs.values()) == pytest.approx(PEAK)
+    # linear from the peak to the floor at the last step the budget holds
+    assert len(lrs) == 600
+    assert lrs[330] == pytest.approx(PEAK * (600 - 330) / (600 - 60), rel=1e-6)
+    assert lrs[600] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_warmup_is_capped_by_the_presets():
+    fitted = schedule(budget=6000.0, warmup=200)
+    played(fitted, [1.0])
+    assert fitted.revisions[0]["projected_steps"] == 6000 and fitted.warmup == 200
+
+
+def test_dev_evaluations_count_as_overhead_not_as_a_slowdown():
+    fitted = schedule(budget=1200.0)
+    lrs = played(fitted, [1.0], overhead_every=100, overhead_seconds=20.0)
+    # 1.2 s a step on average: about 1000 steps; the projection never swings by a dev evaluation's 20 s
+    ends = [revision["projected_steps"] for revision in fitted.revisions[10:]]
+    assert max(ends) - min(ends) <= 20
+    assert abs(len(lrs) - fitted.end_step) <= 1
+
+
+def test_a_slowdown_mid_run_revises_the_projection_and_never_raises_the_learning_rate():
+    fitted = schedule(budget=900.0)
+    # 1 s a step, then twice as slow from step 300 (another job starts on the machine), back to 1 s at 500
+    pace = [1.0] * 299 + [2.0] * 200 + [1.0] * 2000
+    lrs = played(fitted, pace)
+    before = [r["projected_steps"] for r in fitted.revisions if r["step"] < 300]
+    during = [r["projected_steps"] for r in fitted.revisions if 350 <= r["step"] < 500]
+    assert min(before) > max(during)  # fewer steps projected once the machine slows down
+    decay = [lr for step, lr in lrs if step > fitted.warmup]
+    assert all(later <= earlier + 1e-15 for earlier, later in zip(decay, decay[1:]))
+    assert decay[-1] <= PEAK / 100
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine"])
+def test_the_floor_is_reached_at_the_budgets_end_within_one_step(shape):
+    floor = PEAK / 20
+    fitted = schedule(budget=900.0, shape=shape, floor=floor)
+    lrs = played(fitted, [1.3, 1.7, 1.5])
+    step, last = lrs[-1]
+    one_step = PEAK / (fitted.end_step - fitted.warmup) * (1.0 if shape == "linear" else 3.2)  # cosine: pi/2 at most
+    assert floor <= last <= floor + one_step
+    assert abs(step - fitted.end_step) <= 1
+
+
+def test_a_resumed_schedule_continues_the_fitted_one():
+    whole = schedule()
+    expected = played(whole, [1.5])
+    first = schedule()
+    clock = 0.0
+    for step in range(1, 301):
+        clock += 1.5
+        first.observe(step, clock, clock)
+    resumed = BudgetSchedule.from_state(first.state_dict())
+    assert resumed == first
+    rest = []
+    for step in range(301, 601):
+        rest.append((step, resumed.lr(step)))
+        clock += 1.5
+        resumed.observe(step, clock, clock)
+    assert rest == expected[300:]
+
+
+def test_a_tiny_budget_has_a_warmup_no_shorter_than_its_measurement():
+    fitted = schedule(budget=30.0)
+    lrs = dict(played(fitted, [1.0]))
+    assert fitted.warmup == MEASURE_STEPS and lrs[MEASURE_STEPS + 1] < PEAK
+
+
+def test_decay_shapes():
+    assert decay_shape("linear", 0.25) == pytest.approx(0.75)
+    assert decay_shape("cosine", 0.5) == pytest.approx(0.5)
+    assert decay_shape("cosine", 1.2) == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        decay_shape("step", 0.5)
