@@ -10,9 +10,9 @@ when a clock ends the run: a slow box spends its budget climbing, a fast one dec
   climbs linearly to the peak at the fitted warmup's end;
 - the decay: from the peak to ``budget_floor`` x peak at the projected last step, ``linear`` or ``cosine``.
 
-The pace is the seconds per training step over the last ``RATE_WINDOW`` steps plus the run's overhead per step
-(dev evaluations, checkpoints: the run's clock less its step time, up to the last step that had one), so a dev
-evaluation does not read as a slowdown while a second job on the machine does. Every ``REVISE_EVERY`` steps the projection is revised; in the
+The pace is the median seconds a step over the last ``RATE_WINDOW`` steps, plus the run's overhead per step (the
+time of dev evaluations and checkpoints beyond a step, over the steps up to the last of them), so a dev evaluation
+does not read as a slowdown while a second job on the machine does. Every ``REVISE_EVERY`` steps the projection is revised; in the
 decay a revision restarts the shape from the current step and learning rate towards the new end, so it never
 raises the learning rate. The state is plain data, saved with each checkpoint: a resumed run continues it.
 """
@@ -20,6 +20,7 @@ raises the learning rate. The state is plain data, saved with each checkpoint: a
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 
 from aiayn.train.schedule import learning_rate
@@ -56,8 +57,8 @@ class BudgetSchedule:
     ramp_from: list = field(default_factory=list)   # [step, lr] where the fitted ramp starts
     anchor: list = field(default_factory=list)      # [step, lr] where the current decay starts
     end_step: int | None = None         # the projected last step
-    marks: list = field(default_factory=list)       # [step, training seconds, clock] of recent steps: the pace
-    overhead: list = field(default_factory=lambda: [0, 0.0])  # [step, seconds] at the last step with overhead
+    marks: list = field(default_factory=list)       # [step, clock] of the recent steps: the pace
+    overhead: list = field(default_factory=lambda: [0, 0.0])  # [step, seconds]: beyond the pace, to the last one
     revisions: list = field(default_factory=list)   # {step, projected_steps, lr, seconds_per_step}
 
     def lr(self, step: int) -> float:
@@ -73,20 +74,18 @@ class BudgetSchedule:
         span = max(self.end_step - start, 1)
         return self.floor + (start_lr - self.floor) * decay_shape(self.shape, (step - start) / span)
 
-    def observe(self, step: int, clock: float, train_seconds: float) -> dict | None:
-        """Step ``step`` is done, the run's clock at ``clock`` seconds of which ``train_seconds`` in training
-        steps (both summed over resumes, the same on every process). Returns the revision made, if any."""
+    def observe(self, step: int, clock: float) -> dict | None:
+        """Step ``step`` is done, the run's clock (summed over resumes, the same on every process) at ``clock``
+        seconds. Returns the revision made, if any."""
         previous = self.marks[-1] if self.marks else None
-        self.marks = (self.marks + [[step, train_seconds, clock]])[-(RATE_WINDOW + 1):]
-        marks = [mark for mark in self.marks if mark[0] > SKIP_STEPS]
-        if len(marks) < 2:
-            return None  # the first steps, or resumed: too few steps timed since
-        (first, first_seconds, _), (last, last_seconds, _) = marks[0], marks[-1]
-        step_pace = (last_seconds - first_seconds) / (last - first)
-        if previous is not None and previous[0] == step - 1:
-            extra = (clock - previous[2]) - (train_seconds - previous[1])
-            if extra > step_pace:  # a dev evaluation or a checkpoint: the overhead so far, per step
-                self.overhead = [step, clock - train_seconds]
+        self.marks = (self.marks + [[step, clock]])[-(RATE_WINDOW + 1):]
+        gaps = [b[1] - a[1] for a, b in zip(self.marks, self.marks[1:]) if b[0] == a[0] + 1 and a[0] >= SKIP_STEPS]
+        if not gaps:
+            return None  # the first steps, or just resumed
+        step_pace = sorted(gaps)[len(gaps) // 2]  # the median: a dev evaluation is not the pace
+        if previous is not None and previous[0] == step - 1 and clock - previous[1] > 2 * step_pace:
+            # a dev evaluation or a checkpoint: its time beyond a step, spread over the steps so far
+            self.overhead = [step, self.overhead[1] + clock - previous[1] - step_pace]
         due = step == MEASURE_STEPS if self.warmup is None else step % REVISE_EVERY == 0
         if not due:
             return None
@@ -115,14 +114,36 @@ class BudgetSchedule:
         first = self.revisions[0] if self.revisions else {}
         return {"budget_projected_steps": first.get("projected_steps"), "budget_final_projection": self.end_step,
                 "budget_warmup": self.warmup, "budget_peak_lr": self.peak, "budget_floor_lr": self.floor,
-                "budget_revisions": len(self.revisions)}
+                "budget_revisions": len(self.revisions), "budget_decay": self.shape,
+                "budget_logged_revisions": [r for r in self.revisions if r.get("logged")]}
 
 
-def for_run(settings, d_model: int, saved: dict | None) -> BudgetSchedule | None:
-    """The run's fitted schedule (``TrainSettings``' ``schedule: budget``), or the one its checkpoint saved
-    (``saved``): a resumed run goes on with it; None for the paper's schedule."""
-    if settings.schedule != "budget":
+@dataclass(frozen=True)
+class PaperSchedule:
+    """The paper's schedule in steps (``aiayn.train.schedule.learning_rate``): nothing to measure or fit."""
+
+    d_model: int
+    warmup_steps: int
+    lr_scale: float
+
+    def lr(self, step: int) -> float:
+        return learning_rate(step, self.d_model, self.warmup_steps, self.lr_scale)
+
+    def observe(self, step: int, clock: float) -> None:
         return None
+
+    def state_dict(self) -> None:
+        return None
+
+    def summary(self) -> dict:
+        return {}
+
+
+def run_schedule(settings, d_model: int, saved: dict | None) -> PaperSchedule | BudgetSchedule:
+    """The run's schedule: the paper's, or (``TrainSettings``' ``schedule: budget``) one fitted to the budget, or
+    the fitted one its checkpoint saved (``saved``), which a resumed run goes on with."""
+    if settings.schedule != "budget":
+        return PaperSchedule(d_model, settings.warmup_steps, settings.lr_scale)
     if saved:
         return BudgetSchedule.from_state(saved)
     peak = learning_rate(settings.warmup_steps, d_model, settings.warmup_steps, settings.lr_scale)
@@ -151,21 +172,28 @@ def describe(schedule: BudgetSchedule, revision: dict) -> str:
             f"never raised)")
 
 
+def revise(schedule: PaperSchedule | BudgetSchedule, step: int, clock: float, tracker) -> None:
+    """The schedule's pace and projection after step ``step``; a noteworthy revision to the log and, on the process
+    that tracks (``tracker``; None elsewhere), to MLflow."""
+    revision = schedule.observe(step, clock)
+    if revision is not None and tracker is not None and noteworthy(schedule, revision):
+        print(describe(schedule, revision), file=sys.stderr)
+        tracker.log_metrics({"budget_projected_steps": revision["projected_steps"]}, step)
+
+
 def played(schedule: BudgetSchedule, step_seconds: list[float], overhead_every: int = 0,
            overhead_seconds: float = 0.0) -> list[tuple[int, float]]:
     """(step, lr) of every step of a run whose steps take ``step_seconds`` (repeated), with ``overhead_seconds``
     more on the clock every ``overhead_every`` steps (dev evaluations), until the budget is spent: what the
     trainer does, played on a given pace (for tests and for planning)."""
-    clock = train = 0.0
+    clock = 0.0
     out = []
     step = 0
     while clock < schedule.budget:
         step += 1
-        seconds = step_seconds[(step - 1) % len(step_seconds)]
         out.append((step, schedule.lr(step)))
-        clock += seconds
-        train += seconds
+        clock += step_seconds[(step - 1) % len(step_seconds)]
+        schedule.observe(step, clock)
         if overhead_every and step % overhead_every == 0:
-            clock += overhead_seconds
-        schedule.observe(step, clock, train)
+            clock += overhead_seconds  # after the step, as the trainer's dev evaluation
     return out

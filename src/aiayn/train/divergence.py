@@ -28,7 +28,6 @@ from collections import deque
 
 from aiayn.checkpoint import list_checkpoints
 from aiayn.errors import UserError
-from aiayn.train.schedule import learning_rate
 
 SPIKE_RATIO = 1.5
 
@@ -77,7 +76,7 @@ class DivergenceGuard:
             return False
         what, rule = fired
         settings, preset = trainer.settings, trainer.job.preset
-        lr = learning_rate(step, trainer.model_config.d_model, settings.warmup_steps, settings.lr_scale)
+        lr = trainer.schedule.lr(step)
         start = f"{what} at step {step} (preset {preset['name']})"
         if self.retrying_until is None:
             checkpoint = roll_back(trainer)

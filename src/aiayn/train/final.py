@@ -25,14 +25,15 @@ def write_final(trainer, final_dev: dict) -> dict:
         "stopped_by": "steps" if progress.step >= settings.steps else "max_minutes",
         "world_size": trainer.world, "device": trainer.device_name, "device_peak_flops": trainer.peak,
         "precision": trainer.precision, **trainer.scaling.record(), "device_tokens": settings.device_tokens,
-        **progress.shape_costs(),
+        **progress.shape_costs(), **trainer.schedule.summary(),
         "mlflow_run_id": trainer.tracker.run_id, "tracking_uri": trainer.tracker.uri, "experiment": job.experiment,
         **final_dev, "dev_history": progress.dev_history, "vocab_fingerprint": data.vocab_fingerprint,
         "data_fingerprint": data.data_fingerprint,
     }
     if trainer.dev.enabled:
         summary["dev_pairs_skipped"] = trainer.dev.pairs_skipped
+    fitted = {key: value for key, value in trainer.schedule.summary().items() if isinstance(value, (int, float))}
     trainer.tracker.log_metrics({"train_hours": summary["train_hours"], "parameters": summary["parameters"],
-                                 **progress.per_step()}, progress.step)
+                                 **progress.per_step(), **fitted}, progress.step)
     write_json_atomic(job.run_dir / FINAL_SUMMARY, summary)
     return summary

@@ -70,16 +70,17 @@ class LoopState:
 
 
 def agreed_outcome(sums: torch.Tensor, grad_norm: torch.Tensor, world: int, *, stopping: bool, over_budget: bool,
-                   window: bool, last_step: bool) -> StepOutcome:
+                   window: bool, last_step: bool, clock: float = 0.0) -> StepOutcome:
     """What every process makes of a step, from one all-reduce of its votes: the loss sums and gradient norm
     (summed over processes), a stop (a signal, --stop-after-steps), the end (the last step, or the time budget
-    spent: so that all stop at the same step) and a window checkpoint (rank 0's vote)."""
-    votes = torch.zeros(6, dtype=torch.float64, device=sums.device)
+    spent: so that all stop at the same step), a window checkpoint (rank 0's vote) and the run's clock (rank 0's:
+    ``clock`` is 0 elsewhere), which a budget schedule reads alike on every process."""
+    votes = torch.zeros(7, dtype=torch.float64, device=sums.device)
     votes[:2] = sums
     votes[2] = grad_norm
-    votes[3], votes[4], votes[5] = float(stopping), float(over_budget), float(window)
+    votes[3], votes[4], votes[5], votes[6] = float(stopping), float(over_budget), float(window), clock
     if world > 1:
         torch.distributed.all_reduce(votes)
-    loss_sum, nll_sum, grad_norm_sum, stop_votes, budget_votes, window_votes = votes.tolist()
+    loss_sum, nll_sum, grad_norm_sum, stop_votes, budget_votes, window_votes, run_clock = votes.tolist()
     return StepOutcome(loss_sum, nll_sum, grad_norm_sum, stopping=stop_votes > 0,
-                       last=last_step or budget_votes > 0, window=window_votes > 0)
+                       last=last_step or budget_votes > 0, window=window_votes > 0, clock=run_clock)

@@ -52,6 +52,10 @@ class TrainSettings:
     seed: int
     shape_buckets: bool  # steps cut on bucketed lengths (aiayn.speed.shapes): train.shape_buckets here
     attention: str
+    schedule: str = "paper"      # or "budget": fitted to a time budget (aiayn.train.budget_schedule)
+    budget_warmup_share: float = 0.1
+    budget_floor: float = 0.0
+    budget_decay: str = "linear"
 
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
@@ -272,6 +276,7 @@ class StepOutcome:
     stopping: bool  # a signal or --stop-after-steps: checkpoint and exit 75
     last: bool      # the schedule's last step, or the time budget is spent: end normally
     window: bool = False  # a budgeted run's window checkpoint is due (aiayn.train.window)
+    clock: float = 0.0    # the run's clock at the synchronisation, rank 0's (for a budget schedule)
 
 
 class LogWindow:

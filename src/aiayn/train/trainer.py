@@ -24,6 +24,7 @@ from aiayn.device import choose_device
 from aiayn.memory import agreed_device_tokens, fit_step
 from aiayn.speed.shapes import ShapeLog
 from aiayn.train.dev_evaluation import DevEvaluation
+from aiayn.train.budget_schedule import revise, run_schedule
 from aiayn.train.divergence import DivergenceGuard, TrainingDiverged  # noqa: F401 (TrainingDiverged: the stage's)
 from aiayn.train.final import write_final
 from aiayn.train.hardware import Distributed, autocast_context, peak_flops
@@ -34,7 +35,7 @@ from aiayn.train.rendezvous import check_layout
 from aiayn.train.resume import Checkpoints
 from aiayn.train.run_data import RunData
 from aiayn.train.run_tracking import RunFacts, start_tracking
-from aiayn.train.schedule import forward_flops, learning_rate
+from aiayn.train.schedule import forward_flops
 from aiayn.train.steps import Progress, StepOutcome, TrainSettings, micro_batch_seed
 from aiayn.train.window import window_vote
 
@@ -102,6 +103,7 @@ class Trainer:
         self.checkpoints = Checkpoints(job.run_dir, job.recorded_config, self.model_config, self.data)
         self.progress = Progress()
         self.resumed_from = self._resume()
+        self.schedule = run_schedule(self.settings, self.model_config.d_model, self.progress.budget_schedule)
         # every process splits its steps alike (a resumed run's size is its checkpoint's, the same on all)
         self.settings = agreed_device_tokens(self.settings, self.world, self.device)
         self.dev = DevEvaluation.for_run(self.data, self.model_config, self.device, section, job.spm_model,
@@ -171,13 +173,14 @@ class Trainer:
             sums, torch.nn.utils.get_total_norm(gradients).double() / self.world, self.world,
             stopping=stop.signal is not None or (stop_after is not None and step - start_step >= stop_after),
             over_budget=clock >= budget, last_step=step == self.settings.steps,
-            window=self.dist.is_main and window_vote(self.settings, self.progress, step, clock))
+            window=self.dist.is_main and window_vote(self.settings, self.progress, step, clock),
+            clock=clock if self.dist.is_main else 0.0)
         if outcome.window:
             self.progress.window_clock = clock  # saved with the checkpoint: a resumed run spaces from it
         return outcome
 
     def optimizer_step(self, step: int, grad_norm: float) -> float:
-        lr = learning_rate(step, self.model_config.d_model, self.settings.warmup_steps, self.settings.lr_scale)
+        lr = self.schedule.lr(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaling.step(self.optimizer, grad_norm)  # fp16: none where the gradients overflowed
@@ -186,6 +189,7 @@ class Trainer:
 
     def save_checkpoint(self, window: bool) -> Path:
         """Write this step's checkpoint (``aiayn.train.resume.Checkpoints.save``)."""
+        self.progress.budget_schedule = self.schedule.state_dict()
         return self.checkpoints.save(self.state, self.progress, self.settings, window)
 
     # --- the loop and its end -------------------------------------------------------------
@@ -245,6 +249,7 @@ class Trainer:
             loop.rolled_back_to(self.progress.step)
             return None
         lr = self.optimizer_step(step, outcome.grad_norm)
+        revise(self.schedule, step, outcome.clock, self.tracker if main else None)
         seconds = time.perf_counter() - step_start
         progress.account(step, shape, flops, seconds)
         self.shape_log.step(shape.shapes[self.dist.rank::self.world], progress, seconds)
