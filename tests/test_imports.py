@@ -99,3 +99,37 @@ def test_the_model_and_the_config_check_heads_by_the_same_rule():
             except UserError as error:
                 messages.append(str(error))
         assert messages[0] == messages[1]
+
+
+# --- sizes: a class does one job, a function one step ---------------------------------------------
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 200, 60
+
+
+def oversized() -> list[str]:
+    """Every class over MAX_CLASS_LINES and function over MAX_FUNCTION_LINES lines in the package, by ``ast``."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                found.append(f"{name}.{node.name}: class of {lines} lines")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
+                found.append(f"{name}.{node.name}: function of {lines} lines")
+    return found
+
+
+def test_no_class_over_200_lines_and_no_function_over_60():
+    assert oversized() == []
+
+
+def test_benchmarks_and_tests_reach_bench_as_a_package_never_through_sys_path():
+    import re
+
+    repo = PACKAGE.parents[1]
+    edit = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path\s*=")
+    found = [f"{path.relative_to(repo)}:{number}" for folder in ("bench", "tests")
+             for path in sorted((repo / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if edit.search(line) and (folder == "bench" or "bench" in line)]
+    assert found == []
