@@ -117,7 +117,8 @@ def test_the_shape_log_counts_new_shapes_and_the_seconds_of_the_steps_that_met_t
 def test_attention_kernels_and_the_loss_chunk_are_the_cpus_own_there(monkeypatch):
     import contextlib
 
-    from aiayn.train.hardware import ATTENTION_KERNELS, attention_kernels, loss_chunk_tokens
+    from aiayn.train.hardware import loss_chunk_tokens
+    from aiayn.speed.precision import ATTENTION_KERNELS, attention_kernels
 
     assert isinstance(attention_kernels("flash", "cpu"), contextlib.nullcontext)
     assert isinstance(attention_kernels("auto", "cuda"), contextlib.nullcontext)
