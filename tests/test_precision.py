@@ -12,7 +12,8 @@ import torch
 
 from aiayn.binarize import load_split
 from aiayn.config import section_defaults
-from aiayn.train.hardware import autocast_context, inference_precision, peak_flops, resolved_precision
+from aiayn.train.hardware import peak_flops
+from aiayn.speed.precision import autocast_context, inference_precision, resolved_precision
 from aiayn.train.trainer import Trainer, TrainingDiverged, TrainJob, train
 
 TRAIN_SECTION = {**section_defaults("train"), "tokens_per_step": 600, "device_tokens": 300, "log_every": 2,

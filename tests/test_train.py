@@ -440,7 +440,7 @@ def test_the_experiment_is_marked_as_training_and_runs_carry_datasets_and_git_so
 
 
 def test_auto_precision_is_bf16_on_cpus_with_bf16_instructions_and_fp32_elsewhere(monkeypatch):
-    from aiayn.train.hardware import resolved_precision
+    from aiayn.speed.precision import resolved_precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100's

@@ -38,8 +38,8 @@ from aiayn.batching import Batch, padded_to_multiple
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
 from aiayn.speed.host_memory import keep_freed_memory
-from aiayn.train.hardware import (COMPILE_MULTIPLE, adam, autocast_context, compiled, model_for_training,
-                                  peak_flops)
+from aiayn.speed.precision import autocast_context
+from aiayn.train.hardware import COMPILE_MULTIPLE, adam, compiled, model_for_training, peak_flops
 from aiayn.train.schedule import forward_flops
 
 PRESETS = {  # (n_layers, d_model, d_ff, n_heads)
@@ -71,7 +71,7 @@ def synthetic_batches(vocab: int, tokens: int, count: int, seed: int = 0) -> lis
 
 
 def autocast(device: str, precision: str):
-    """The trainer's precision context (aiayn.train.hardware.autocast_context), for both models."""
+    """The trainer's precision context (aiayn.speed.precision.autocast_context), for both models."""
     return autocast_context(torch.device(device), precision)
 
 

@@ -49,8 +49,9 @@ from aiayn.batching import Batch, padded_to_multiple
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig
 from aiayn.tokens import PAD_ID
-from aiayn.train.hardware import (COMPILE_MULTIPLE, adam, attention_kernels, autocast_context, compiled,
-                                  loss_chunk_tokens, model_for_training, peak_flops)
+from aiayn.speed.precision import attention_kernels, autocast_context
+from aiayn.train.hardware import (COMPILE_MULTIPLE, adam, compiled, loss_chunk_tokens, model_for_training,
+                                  peak_flops)
 from aiayn.train.schedule import forward_flops
 from bench.train.cpu import PRESETS, matmul_rate, seconds_of, sentence_flops, synthetic_batches
 from bench.train.shapes import lognormal_lengths, step_source
@@ -124,7 +125,7 @@ def take(steps: list[Step], count: int, seen: set) -> list[Step]:
 
 
 def attention_context(name: str, device: torch.device):
-    """train.attention's SDPA kernels (aiayn.train.hardware.attention_kernels) on CUDA; the trainer's CPU
+    """train.attention's SDPA kernels (aiayn.speed.precision.attention_kernels) on CUDA; the trainer's CPU
     path attends without SDPA, so nothing there."""
     return attention_kernels(name) if device.type == "cuda" else contextlib.nullcontext()
 

@@ -35,7 +35,7 @@ def model_from(checkpoint: dict, device: torch.device) -> Transformer:
 def chunk_nll(model: Transformer, split, chunks: list[np.ndarray], device: torch.device, precision: str,
               max_tokens: int) -> np.ndarray:
     """(sum of target NLLs, target tokens) of each chunk of rows: shape (chunks, 2)."""
-    from aiayn.train.hardware import autocast_context
+    from aiayn.speed.precision import autocast_context
 
     sums = np.zeros((len(chunks), 2))
     with torch.inference_mode():

@@ -34,7 +34,7 @@ from aiayn.speed.decoder_cache import ScratchBuffers
 from aiayn.speed.incremental import InferenceModel
 from aiayn.speed.search_steps import FAST_STEPS
 from aiayn.tokens import EOS_ID, PAD_ID
-from aiayn.train.hardware import autocast_context, inference_precision
+from aiayn.speed.precision import autocast_context, inference_precision
 
 
 def translate(

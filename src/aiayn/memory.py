@@ -25,7 +25,7 @@ from aiayn.batching import StepShape
 from aiayn.errors import UserError
 from aiayn.model import ModelConfig
 from aiayn.params import count_parameters
-from aiayn.train.hardware import inference_precision, resolved_precision
+from aiayn.speed.precision import inference_precision, resolved_precision
 
 GiB = 2 ** 30
 CPU_DEVICE_TOKENS = 25000     # train.device_tokens: auto on the CPU: the schema's default before auto existed

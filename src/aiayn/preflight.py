@@ -32,7 +32,8 @@ from aiayn.memory import resolve_device_tokens, tokens_per_batch_for_device
 from aiayn.search import SearchConfig
 from aiayn.errors import UserError, cli
 from aiayn.layout import DATA_STATS, SPLITS, text_name
-from aiayn.train.hardware import peak_flops, resolved_precision
+from aiayn.train.hardware import peak_flops
+from aiayn.speed.precision import resolved_precision
 from aiayn.train.rendezvous import devices
 
 HUB_TIMEOUT_SECONDS = 3.0
@@ -222,7 +223,8 @@ def measure_step_seconds(preset: dict, config: dict, device: torch.device, vocab
     the trainer's model, objective, precision and fused Adam, on random ids of typical length."""
     from aiayn.batching import real_positions
     from aiayn.loss import TrainingObjective
-    from aiayn.train.hardware import adam, autocast_context, loss_chunk_tokens, model_for_training
+    from aiayn.train.hardware import adam, loss_chunk_tokens, model_for_training
+    from aiayn.speed.precision import autocast_context
     from aiayn.train.schedule import learning_rate
 
     train = config["train"]

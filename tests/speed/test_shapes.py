@@ -117,7 +117,8 @@ def test_the_shape_log_counts_new_shapes_and_the_seconds_of_the_steps_that_met_t
 def test_attention_kernels_and_the_loss_chunk_are_the_cpus_own_there(monkeypatch):
     import contextlib
 
-    from aiayn.train.hardware import ATTENTION_KERNELS, attention_kernels, loss_chunk_tokens
+    from aiayn.train.hardware import loss_chunk_tokens
+    from aiayn.speed.precision import ATTENTION_KERNELS, attention_kernels
 
     assert isinstance(attention_kernels("flash", "cpu"), contextlib.nullcontext)
     assert isinstance(attention_kernels("auto", "cuda"), contextlib.nullcontext)
@@ -130,11 +131,11 @@ def test_attention_kernels_and_the_loss_chunk_are_the_cpus_own_there(monkeypatch
     assert loss_chunk_tokens(torch.device("cuda"), 37000, 25000) == 2**30 // 8 // (8 * 37000)
 
 
-def test_settings_without_the_new_keys_take_the_schemas_defaults():
-    section = {key: value for key, value in section_defaults("train").items()
-               if key not in ("shape_buckets", "attention")}
-    old = TrainSettings.from_config(PAPER_PRESET, section, seed=1, device=torch.device("cpu"))
-    assert not old.shape_buckets and old.attention == "auto"
-    assert replace(old, shape_buckets=True).batch_rule() != old.batch_rule()
-    assert math.isfinite(old.lr_scale)
+def test_the_settings_read_the_keys_the_config_reader_filled():
+    section = section_defaults("train")  # what the reader fills a config's train section with
+    assert (section["shape_buckets"], section["attention"]) == ("auto", "auto")
+    on_cpu = TrainSettings.from_config(PAPER_PRESET, section, seed=1, device=torch.device("cpu"))
+    assert not on_cpu.shape_buckets and on_cpu.attention == "auto"  # auto: exact lengths on the CPU
+    assert replace(on_cpu, shape_buckets=True).batch_rule() != on_cpu.batch_rule()
+    assert math.isfinite(on_cpu.lr_scale)
 

@@ -13,8 +13,8 @@ import torch
 
 from aiayn.loss import TrainingObjective
 from aiayn.model import ModelConfig, Transformer
-from aiayn.train.hardware import (adam, compiled, load_optimizer_state, loss_chunk_tokens, model_for_training,
-                                  resolved_precision)
+from aiayn.speed.precision import resolved_precision
+from aiayn.train.hardware import adam, compiled, load_optimizer_state, loss_chunk_tokens, model_for_training
 from aiayn.train.precision import LossScaling
 from aiayn.train.steps import TrainSettings
 

@@ -28,7 +28,7 @@ MIN_LOSS_SCALE = 2.0 ** -14
 
 
 class LossScaling:
-    """The loss scale of a run in ``precision`` (resolved: ``aiayn.train.hardware.resolved_precision``)
+    """The loss scale of a run in ``precision`` (resolved: ``aiayn.speed.precision.resolved_precision``)
     on ``device``; a no-op unless that is fp16."""
 
     def __init__(self, precision: str, device: torch.device):

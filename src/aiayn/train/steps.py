@@ -23,7 +23,8 @@ from aiayn.memory import resolve_device_tokens
 from aiayn.model import ModelConfig, Transformer
 from aiayn.speed.shapes import bucketed_lengths
 from aiayn.train.rendezvous import devices
-from aiayn.train.hardware import COMPILE_MULTIPLE, autocast_context
+from aiayn.train.hardware import COMPILE_MULTIPLE
+from aiayn.speed.precision import autocast_context
 
 
 @dataclass(frozen=True)

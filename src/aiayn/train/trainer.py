@@ -27,7 +27,8 @@ from aiayn.train.dev_evaluation import DevEvaluation
 from aiayn.train.budget_schedule import revise, run_schedule
 from aiayn.train.divergence import DivergenceGuard, TrainingDiverged  # noqa: F401 (TrainingDiverged: the stage's)
 from aiayn.train.final import write_final
-from aiayn.train.hardware import Distributed, autocast_context, peak_flops
+from aiayn.train.hardware import Distributed, peak_flops
+from aiayn.speed.precision import autocast_context
 from aiayn.train.loop import LoopState, StopFlag, agreed_outcome
 from aiayn.train.model_state import ModelState
 from aiayn.train.monitor import DevMonitor
