@@ -62,3 +62,55 @@ def test_from_every_dev_evaluation_after_warmup_the_interval_holds_each_recorded
             for upto in range(200, 360, 20):
                 projection = project(history([step for step in values if step <= upto], values.get), 360, 200)
                 assert projection.covers(values[360]), (preset, seed, upto, projection, values[360])
+
+
+# --- by the reference -------------------------------------------------------------------------
+
+def recorded_demo_curves():
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "data" / "demo_dev_curves.json").read_text())
+
+
+def reference_of(curves: dict[str, list]) -> dict:
+    """A reference as `aiayn reference` makes it from runs with these (step, ppl) curves."""
+    from aiayn.reference import reference_from_runs
+
+    finals = [{"preset": "p", "seed": int(seed), "step": curve[-1][0], "planned_steps": curve[-1][0],
+               "target_tokens": 0, "dev_history": [{"step": step, "dev_ppl": ppl} for step, ppl in curve]}
+              for seed, curve in curves.items()]
+    return reference_from_runs(finals, [str(final["seed"]) for final in finals])
+
+
+def test_by_a_reference_of_the_other_seeds_each_recorded_demo_runs_end_is_held_from_30_percent_of_its_steps():
+    """Each demo run held against a reference of its preset's other two seeds (left out of it), from the dev
+    evaluations of the first 30% of its 360 steps (inside warmup, where the power law projects nothing): the
+    interval holds the measured end, and the projection is off by less than 20%."""
+    from aiayn.projection import project_by_reference
+
+    for preset, seeds in recorded_demo_curves().items():
+        for seed, curve in seeds.items():
+            reference = reference_of({other: rest for other, rest in seeds.items() if other != seed})
+            values = dict(map(tuple, curve))
+            projection = project_by_reference(history([step for step in values if step <= 108], values.get),
+                                              reference, 360)
+            assert projection.method == "reference" and projection.points == 3
+            assert projection.covers(values[360]), (preset, seed, projection, values[360])
+            assert abs(math.log(projection.ppl / values[360])) < math.log(1.2)
+
+
+def test_the_trainer_projects_by_a_curve_that_ends_at_its_last_step_else_by_the_power_law():
+    from aiayn.projection import projection_for
+
+    curves = recorded_demo_curves()["demo_base"]
+    reference = reference_of({seed: curves[seed] for seed in ("2", "3")})
+    run = dict(map(tuple, curves["1"]))
+    early = history([20, 40, 60], run.get)
+    assert projection_for(early, 360, 200, reference).method == "reference"
+    assert projection_for(early, 720, 200, reference) is None  # another plan, and in warmup
+    assert projection_for(early, 360, 200, None) is None
+    late = history(range(200, 301, 20), run.get)
+    assert projection_for(late, 720, 200, reference).method == "power law"
+    end_point = {"kind": "end_point", "points": [{"step": 360, "dev_ppl": {"low": 2.0, "mean": 2.0, "high": 2.0}}]}
+    assert projection_for(late, 360, 200, end_point).method == "power law"

@@ -131,8 +131,8 @@ def test_the_report_draws_each_presets_runs_over_its_reference(tmp_path):
 
 # --- the trainer says it ----------------------------------------------------------------------
 
-def tiny_job(prepared, run_dir, reference="none", tracking_uri=None, **overrides):
-    section = {**TRAIN_SECTION, "reference": reference}
+def tiny_job(prepared, run_dir, reference="none", tracking_uri=None, section=None, **overrides):
+    section = {**TRAIN_SECTION, "reference": reference, **(section or {})}
     return TrainJob(tiny_preset(steps=12, warmup_steps=4, **overrides), section, 1, prepared / "bin" / "train",
                     prepared / "bin" / "dev", prepared / "bpe" / "spm.model", run_dir, "tests", tracking_uri,
                     tracking_uri is not None, "cpu", None, False)
@@ -175,7 +175,8 @@ def test_mlflow_gets_the_band_position_the_projection_and_the_figure(prepared, t
     assert [metric.step for metric in client.get_metric_history(run.info.run_id, "dev_ppl_band")] == [3, 6, 9, 12]
     assert run.data.tags["dev_ppl_band"] == "inside"
     projected = [record for record in metrics_of(tmp_path / "run") if "dev_ppl_projected" in record]
-    assert [record["step"] for record in projected] == [12]  # 4 dev points, the last after warmup
+    assert [record["step"] for record in projected] == [3, 6, 9, 12]  # by the reference: from the first on
+    assert run.data.tags["dev_ppl_projected_by"] == "reference"
     assert projected[0]["dev_ppl_projected_low"] <= projected[0]["dev_ppl_projected"] <= \
         projected[0]["dev_ppl_projected_high"]
     assert (tmp_path / "run" / "dev_ppl_band.png").read_bytes()[:4] == b"\x89PNG"
@@ -186,8 +187,9 @@ def test_a_demo_run_with_a_10x_learning_rate_is_above_the_band_from_step_100_and
     """Recorded (tests/data/demo_lr10_curve.json): demo_base with lr_scale 5.0 instead of 0.5, seed 1, a dev
     evaluation every 20 steps. It falls faster at first, then stalls near perplexity 180: above the shipped band
     (worse) at every dev evaluation from step 100 on, the first of the demo's default dev_every: 100. Its
-    projection from the warmup's end is worse than the whole reference band at the last step."""
-    from aiayn.projection import project
+    projection (the power law from the warmup's end; by the reference from step 140) is worse than the whole
+    reference band at the last step."""
+    from aiayn.projection import project, projection_for
 
     [curve] = json.loads((Path(__file__).parent / "data" / "demo_lr10_curve.json").read_text()).values()
     [reference] = [ref for ref in shipped_references("demo") if ref["preset"] == "demo_base"]
@@ -195,3 +197,65 @@ def test_a_demo_run_with_a_10x_learning_rate_is_above_the_band_from_step_100_and
     assert [positions[step] for step in positions if step >= 100] == [1] * 14
     projection = project([{"step": step, "dev_ppl": ppl} for step, ppl in curve if step <= 200], 360, 200)
     assert projection.low > band_at(reference, 360)[1]
+    # by the reference, as the trainer projects: its whole interval is above the band's end from step 140 on,
+    # once the last 3 dev evaluations (the ratio's) are all of the stalled run
+    for upto in range(140, 360, 20):
+        projection = projection_for([{"step": step, "dev_ppl": ppl} for step, ppl in curve if step <= upto], 360, 200,
+                                    reference)
+        assert projection.method == "reference" and projection.low > band_at(reference, 360)[1], upto
+
+
+# --- off course -------------------------------------------------------------------------------
+
+def test_off_course_is_a_streak_of_dev_evaluations_above_the_band_by_more_than_the_margin():
+    from aiayn.train.monitor import OffCourseRule
+
+    reference = reference_from_runs(SEEDS, ["1", "2", "3"])  # band tops: 60 at 100, 12 at 200, 6 at 300
+    rule = OffCourseRule("warn", 0.5, 2)
+    history = [{"step": 100, "dev_ppl": 85.0}, {"step": 200, "dev_ppl": 19.0}, {"step": 300, "dev_ppl": 9.5}]
+    assert [entry["step"] for entry in rule.streak(reference, history)] == [200, 300]  # 85 <= 1.5 x 60
+    assert rule.streak(reference, history[:2] + [{"step": 300, "dev_ppl": 8.9}]) == []  # 8.9 <= 1.5 x 6
+    assert len(rule.streak(reference, history[:2] + [{"step": 300, "dev_ppl": float("nan")}])) == 2
+    assert rule.streak(reference, [{"step": 400, "dev_ppl": 1e9}]) == []  # beyond the reference: no band
+
+
+def test_off_course_warns_once_a_streak_by_default_and_asks_to_stop_where_told(tmp_path, capsys):
+    from aiayn.train.monitor import DevMonitor, OffCourseRule
+
+    class Tracker:
+        def log_metrics(self, metrics, step): pass
+        def set_tags(self, tags): self.tags = tags
+
+    reference = reference_from_runs(SEEDS, ["1", "2", "3"])
+    history = [{"step": 100, "dev_ppl": 95.0}, {"step": 200, "dev_ppl": 19.0}, {"step": 300, "dev_ppl": 9.5}]
+    warn = DevMonitor(reference, "three seeds", 300, 50, "demo_base", 1, tmp_path, OffCourseRule("warn", 0.5, 2))
+    tracker = Tracker()
+    for upto in (1, 2, 3):
+        warn.after_dev(history[upto - 1]["step"], history[:upto], tracker)
+    err = capsys.readouterr().err
+    assert err.count("warning: demo_base seed 1 is off course") == 1
+    assert "at 2 dev evaluations in a row (steps 100, 200)" in err and "lr_scale" in err
+    assert warn.stop_reason is None and tracker.tags["off_course"] == "step 300"
+    stop = DevMonitor(reference, "three seeds", 300, 50, "demo_base", 1, tmp_path, OffCourseRule("stop", 0.5, 2))
+    stop.after_dev(100, history[:1], tracker)
+    assert stop.stop_reason is None
+    stop.after_dev(200, history[:2], tracker)
+    assert "off course" in stop.stop_reason and "warning" not in capsys.readouterr().err
+
+
+def test_a_run_off_course_with_stop_ends_at_exit_2_at_the_next_step_with_its_checkpoints_kept(prepared, tmp_path):
+    """A learning rate 10x too high against a reference of the run done right: above the band at its dev
+    evaluations 3 and 6, so with 2 in a row it stops at step 7, which is written as a checkpoint."""
+    from aiayn.train.monitor import TrainingOffCourse
+
+    train(tiny_job(prepared, tmp_path / "first"))
+    assert main(["--runs", str(tmp_path / "first"), "--out", str(tmp_path / "ref.json"), "--allow-single"]) == 0
+    job = tiny_job(prepared, tmp_path / "broken", reference=str(tmp_path / "ref.json"), lr_scale=10.0,
+                   section={"off_course": "stop", "off_course_margin": 0.01, "off_course_evaluations": 2})
+    with pytest.raises(TrainingOffCourse) as stopped:
+        train(job)
+    assert isinstance(stopped.value, UserError)  # the command's exit 2, one paragraph
+    text = str(stopped.value)
+    assert "steps 3, 6" in text and "It stopped at step 7" in text and "checkpoints are kept" in text
+    written = sorted(path.name.split("_")[1] for path in (tmp_path / "broken" / "checkpoints").glob("*.pt"))
+    assert written[-1] == "00000007.pt", written  # the run resumes from step 7

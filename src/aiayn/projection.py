@@ -1,4 +1,13 @@
-"""Where a run's dev perplexity will end: a power law fitted to its dev curve so far, with an interval.
+"""Where a run's dev perplexity will end, with an interval: by its reference, else by a power law.
+
+By the reference (``project_by_reference``), where the run's reference is a curve of the same preset that ends at
+the run's last step: the run's ratio to the reference's mean (in log perplexity, over its last
+``REFERENCE_POINTS`` dev evaluations) is carried to the reference's end. It holds from the first dev
+evaluation on, warmup included, where a fit to the curve alone does not. Its interval: the reference's seed band
+at the end, widened either side by ``REFERENCE_FLOOR`` in log perplexity (calibrated on the demo's runs, each
+against a reference of its other two seeds: bench/train/projection.py, BENCHMARKS.md).
+
+Else the power law, below.
 
 The fit (``fit_power_law``): ``ppl = floor + b * x^-c`` with ``x`` the area under the paper's learning-rate
 schedule up to the step (``lr_area``, Section 5.3's shape; its scale cancels into ``b``). After warmup the
@@ -24,6 +33,8 @@ MIN_POINTS = 4  # fewer points than this (3 parameters, and one to spare) give n
 FLOOR_GRID = 64  # floors tried between 1 and just below the lowest perplexity seen
 INTERVAL_Z = 2.0
 INTERVAL_FLOOR = 0.30  # the interval is never narrower than this in log perplexity: x/÷ 1.35
+REFERENCE_POINTS = 3  # the last dev evaluations whose mean ratio to the reference is carried to its end
+REFERENCE_FLOOR = 0.32  # in log perplexity, beyond the reference's own end band: x/÷ 1.38 more
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,7 @@ class Projection:
     low: float
     high: float
     points: int
+    method: str = "power law"  # or "reference"
 
     def covers(self, measured: float) -> bool:
         return self.low <= measured <= self.high
@@ -102,3 +114,37 @@ def project(history: Sequence[dict], final_step: int, warmup_steps: int) -> Proj
     width = INTERVAL_Z * spread + INTERVAL_FLOOR
     return Projection(step=final_step, ppl=centre, low=centre * math.exp(-width), high=centre * math.exp(width),
                       points=len(points))
+
+
+def follows_reference(reference: dict | None, final_step: int) -> bool:
+    """Whether ``reference`` is a curve that ends at ``final_step`` (the same plan), so a run can be projected by it."""
+    return bool(reference and reference.get("kind") == "curve" and reference.get("points")
+                and reference["points"][-1]["step"] == final_step)
+
+
+def project_by_reference(history: Sequence[dict], reference: dict | None, final_step: int) -> Projection | None:
+    """The dev perplexity at ``final_step`` as the reference's mean there times the run's ratio to that mean over
+    its last ``REFERENCE_POINTS`` dev evaluations; None where the reference does not end at ``final_step``, or
+    the run has no dev evaluation within the reference's steps."""
+    from aiayn.reference import mean_at
+
+    if not follows_reference(reference, final_step):
+        return None
+    ratios = [math.log(float(entry["dev_ppl"]) / mean_at(reference, int(entry["step"])))
+              for entry in history
+              if entry.get("dev_ppl") is not None and math.isfinite(entry["dev_ppl"]) and entry["step"] > 0
+              and mean_at(reference, int(entry["step"])) is not None][-REFERENCE_POINTS:]
+    if not ratios:
+        return None
+    end = reference["points"][-1]["dev_ppl"]
+    centre = end["mean"] * math.exp(sum(ratios) / len(ratios))
+    width = math.log(end["high"] / end["low"]) + REFERENCE_FLOOR
+    return Projection(step=final_step, ppl=centre, low=centre * math.exp(-width), high=centre * math.exp(width),
+                      points=len(ratios), method="reference")
+
+
+def projection_for(history: Sequence[dict], final_step: int, warmup_steps: int,
+                   reference: dict | None = None) -> Projection | None:
+    """What the trainer says at a dev evaluation: by the reference where it can (``follows_reference``), else the
+    power law (after warmup)."""
+    return project_by_reference(history, reference, final_step) or project(history, final_step, warmup_steps)

@@ -185,6 +185,18 @@ def band_at(reference: dict, step: int, metric: str = "dev_ppl") -> tuple[float,
     return None
 
 
+def mean_at(reference: dict, step: int, metric: str = "dev_ppl") -> float | None:
+    """The seeds' mean at ``step``, interpolated between the reference's points linearly in log perplexity;
+    None outside its points."""
+    points = [point for point in reference["points"] if point.get(metric) is not None]
+    for left, right in zip(points, points[1:] + points[-1:]):
+        if left["step"] <= step <= right["step"]:
+            share = 0.0 if right["step"] == left["step"] else (step - left["step"]) / (right["step"] - left["step"])
+            low, high = math.log(left[metric]["mean"]), math.log(right[metric]["mean"])
+            return math.exp(low + share * (high - low))
+    return None
+
+
 def band_position(reference: dict, step: int, dev_ppl: float) -> int | None:
     """+1 above the band (worse perplexity), 0 inside, -1 below (better); None where the reference has no band
     at ``step`` (an end point's reference has one at its last step only)."""

@@ -132,7 +132,8 @@ def decode_model(wildcards):
 # (SETTINGS): they add metrics and a comparison and can stop a run that diverged, but change no checkpoint
 # of one that does not.
 RUNTIME_ONLY = {"train": ("log_every", "threads", "share_gpus", "dev_bleu_sentences", "dev_bleu_beam", "spike_window",
-                          "spike_sigmas", "reference"), "binarize": ("workers",),
+                          "spike_sigmas", "reference", "off_course", "off_course_margin",
+                          "off_course_evaluations"), "binarize": ("workers",),
                 "decode": ("workers", "max_source_tokens")}
 
 

@@ -31,7 +31,7 @@ from aiayn.train.hardware import Distributed, peak_flops
 from aiayn.speed.precision import autocast_context
 from aiayn.train.loop import LoopState, StopFlag, agreed_outcome
 from aiayn.train.model_state import ModelState
-from aiayn.train.monitor import DevMonitor
+from aiayn.train.monitor import DevMonitor, TrainingOffCourse
 from aiayn.train.rendezvous import check_layout
 from aiayn.train.resume import Checkpoints
 from aiayn.train.run_data import RunData
@@ -109,7 +109,7 @@ class Trainer:
         self.settings = agreed_device_tokens(self.settings, self.world, self.device)
         self.dev = DevEvaluation.for_run(self.data, self.model_config, self.device, section, job.spm_model,
                                          job.dev_data, DevMonitor.for_run(
-                                             section["reference"], preset, job.experiment, job.seed, job.run_dir,
+                                             section, preset, job.experiment, job.seed, job.run_dir,
                                              self.data.data_fingerprint),
                                          warn=self.dist.is_main)
         # a split with nothing to train on is refused here, before run() opens the MLflow run
@@ -172,7 +172,8 @@ class Trainer:
         stop_after, clock = self.job.stop_after_steps, self.progress.wall_seconds + self.clock() - loop_start
         outcome = agreed_outcome(
             sums, torch.nn.utils.get_total_norm(gradients).double() / self.world, self.world,
-            stopping=stop.signal is not None or (stop_after is not None and step - start_step >= stop_after),
+            stopping=(stop.signal is not None or (stop_after is not None and step - start_step >= stop_after)
+                      or self.dev.monitor.stop_reason is not None),
             over_budget=clock >= budget, last_step=step == self.settings.steps,
             window=self.dist.is_main and window_vote(self.settings, self.progress, step, clock),
             clock=clock if self.dist.is_main else 0.0)
@@ -204,7 +205,7 @@ class Trainer:
                         if main else None)
         self.loop = loop = LoopState.open(self.job.preset["name"], settings, self.progress,
                                           main and self.job.progress_bar, self.clock())
-        status = "FAILED"
+        status, agreed_stop = "FAILED", False
         try:
             self.training_model = self.state.training_objective(settings, self.world, self.device)
             self.training_model.train()
@@ -217,10 +218,10 @@ class Trainer:
                     continue
                 if outcome.last:
                     break
-                if outcome.stopping:
-                    status = "KILLED"
-                    raise Preempted(f"stopped at step {self.progress.step}; checkpoint written to "
-                                    f"{self.checkpoint_dir}")
+                if outcome.stopping:  # agreed: every process stops here, its checkpoint written
+                    agreed_stop, error = True, stop_error(self)
+                    status = "KILLED" if isinstance(error, Preempted) else status
+                    raise error
             loop.bar.close()
             if main and not self.checkpoints.written(self.progress.step) and self.progress.step:
                 self.save_checkpoint(window=True)  # the run's end is always in the averaging window
@@ -234,7 +235,7 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.end(status)
             if self.world > 1 and torch.distributed.is_initialized():
-                leave_process_group(self, everyone_here=status in ("FINISHED", "KILLED"))
+                leave_process_group(self, everyone_here=agreed_stop or status == "FINISHED")
 
     def train_step(self, step: int) -> StepOutcome | None:
         """Step ``step`` from its batches to its checkpoint; its outcome, or None where it diverged and the run
@@ -275,6 +276,16 @@ class Trainer:
                         "epoch": progress.epoch, **progress.shape_costs(), **self.scaling.metrics()})
         self.tracker.log_metrics(metrics, step)
         self.loop.show(metrics, lr)
+
+
+def stop_error(trainer: Trainer) -> Exception:
+    """What an agreed stop raises: ``TrainingOffCourse`` where rank 0's monitor asked for it (train.off_course:
+    stop), else ``Preempted`` (a signal, --stop-after-steps)."""
+    where = f"step {trainer.progress.step}"
+    if trainer.dev.monitor.stop_reason is not None:
+        return TrainingOffCourse(f"{trainer.dev.monitor.stop_reason}. It stopped at {where} (train.off_course: "
+                                 f"stop); its checkpoints are kept in {trainer.checkpoint_dir}")
+    return Preempted(f"stopped at {where}; checkpoint written to {trainer.checkpoint_dir}")
 
 
 def leave_process_group(trainer: Trainer, everyone_here: bool) -> None:
