@@ -259,3 +259,22 @@ def test_a_run_off_course_with_stop_ends_at_exit_2_at_the_next_step_with_its_che
     assert "steps 3, 6" in text and "It stopped at step 7" in text and "checkpoints are kept" in text
     written = sorted(path.name.split("_")[1] for path in (tmp_path / "broken" / "checkpoints").glob("*.pt"))
     assert written[-1] == "00000007.pt", written  # the run resumes from step 7
+
+
+@pytest.mark.parametrize("experiment", ["demo", "multi30k"])
+def test_each_shipped_seed_left_out_stays_inside_the_band_of_the_others_widened_by_the_shipped_tolerance(experiment):
+    """The shipped references' runs (tests/data/<experiment>_dev_curves.json, recorded with the code that made
+    them): each seed, left out, is inside the band of its preset's other seeds, widened by the tolerance shipped
+    with the reference, at every dev evaluation; so a rerun of the recipe is judged inside, as the demo with 3 seeds
+    is inside its own reference."""
+    recorded = json.loads((Path(__file__).parent / "data" / f"{experiment}_dev_curves.json").read_text())
+    shipped = {ref["preset"]: ref for ref in shipped_references(experiment)}
+    assert set(shipped) == set(recorded)
+    for preset, seeds in recorded.items():
+        assert len(seeds) == 3 and shipped[preset]["seeds"] == sorted(int(seed) for seed in seeds)
+        for seed, curve in seeds.items():
+            others = [final(int(other), [tuple(point) for point in rest], preset)
+                      for other, rest in seeds.items() if other != seed]
+            reference = {**reference_from_runs(others, [str(other["seed"]) for other in others]),
+                         "tolerance": shipped[preset]["tolerance"]}
+            assert [band_position(reference, step, ppl) for step, ppl in curve] == [0] * len(curve), (preset, seed)

@@ -180,6 +180,8 @@ def _style_relative_axes(relative) -> None:
     bottom, top = relative.get_ylim()
     ratios = [r for r in (0.01, 0.1, 0.25, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2, 3, 5, 10, 30, 100, 1000)
               if bottom <= r <= top]
+    if len(ratios) < 4:  # a band of a few percent: ticks within it
+        ratios = sorted(set(ratios) | {r for r in (0.9, 0.95, 1.05, 1.1) if bottom <= r <= top})
     relative.yaxis.set_major_locator(FixedLocator(ratios))
     relative.yaxis.set_minor_locator(NullLocator())
     relative.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{100 * (value - 1):+.0f}%"))

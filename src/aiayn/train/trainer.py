@@ -284,7 +284,8 @@ def stop_error(trainer: Trainer) -> Exception:
     where = f"step {trainer.progress.step}"
     if trainer.dev.monitor.stop_reason is not None:
         return TrainingOffCourse(f"{trainer.dev.monitor.stop_reason}. It stopped at {where} (train.off_course: "
-                                 f"stop); its checkpoints are kept in {trainer.checkpoint_dir}")
+                                 f"stop; warn lets such a run go on); its checkpoints are kept in "
+                                 f"{trainer.checkpoint_dir}")
     return Preempted(f"stopped at {where}; checkpoint written to {trainer.checkpoint_dir}")
 
 
