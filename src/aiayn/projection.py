@@ -130,10 +130,9 @@ def project_by_reference(history: Sequence[dict], reference: dict | None, final_
 
     if not follows_reference(reference, final_step):
         return None
-    ratios = [math.log(float(entry["dev_ppl"]) / mean_at(reference, int(entry["step"])))
-              for entry in history
-              if entry.get("dev_ppl") is not None and math.isfinite(entry["dev_ppl"]) and entry["step"] > 0
-              and mean_at(reference, int(entry["step"])) is not None][-REFERENCE_POINTS:]
+    means = [(float(entry["dev_ppl"]), mean_at(reference, int(entry["step"]))) for entry in history
+             if entry.get("dev_ppl") is not None and math.isfinite(entry["dev_ppl"]) and entry["step"] > 0]
+    ratios = [math.log(ppl / mean) for ppl, mean in means if mean is not None][-REFERENCE_POINTS:]
     if not ratios:
         return None
     end = reference["points"][-1]["dev_ppl"]

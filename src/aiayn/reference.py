@@ -168,33 +168,38 @@ def choose_reference(setting: str, preset: str, experiment: str, data_fingerprin
 
 # --- placing a run ----------------------------------------------------------------------------
 
-def band_at(reference: dict, step: int, metric: str = "dev_ppl") -> tuple[float, float] | None:
-    """The band's (low, high) at ``step``, interpolated linearly between the reference's points, widened by
-    its tolerance; None outside its points or where it has no band of ``metric``."""
+def _bracket(reference: dict, step: int, metric: str) -> tuple[dict, dict, float] | None:
+    """The reference's points either side of ``step`` that have ``metric``, and how far between them ``step``
+    lies (0 at the left, 1 at the right); None outside its points."""
     points = [point for point in reference["points"] if point.get(metric) is not None]
-    steps = [point["step"] for point in points]
-    if not points or step < steps[0] or step > steps[-1]:
-        return None
     for left, right in zip(points, points[1:] + points[-1:]):
         if left["step"] <= step <= right["step"]:
             share = 0.0 if right["step"] == left["step"] else (step - left["step"]) / (right["step"] - left["step"])
-            low, high = (left[metric][side] + share * (right[metric][side] - left[metric][side])
-                         for side in ("low", "high"))
-            tolerance = reference.get("tolerance", 0.0)
-            return low * (1 - tolerance), high * (1 + tolerance)
+            return left, right, share
     return None
+
+
+def band_at(reference: dict, step: int, metric: str = "dev_ppl") -> tuple[float, float] | None:
+    """The band's (low, high) at ``step``, interpolated linearly between the reference's points, widened by
+    its tolerance; None outside its points or where it has no band of ``metric``."""
+    bracket = _bracket(reference, step, metric)
+    if bracket is None:
+        return None
+    left, right, share = bracket
+    low, high = (left[metric][side] + share * (right[metric][side] - left[metric][side]) for side in ("low", "high"))
+    tolerance = reference.get("tolerance", 0.0)
+    return low * (1 - tolerance), high * (1 + tolerance)
 
 
 def mean_at(reference: dict, step: int, metric: str = "dev_ppl") -> float | None:
     """The seeds' mean at ``step``, interpolated between the reference's points linearly in log perplexity;
     None outside its points."""
-    points = [point for point in reference["points"] if point.get(metric) is not None]
-    for left, right in zip(points, points[1:] + points[-1:]):
-        if left["step"] <= step <= right["step"]:
-            share = 0.0 if right["step"] == left["step"] else (step - left["step"]) / (right["step"] - left["step"])
-            low, high = math.log(left[metric]["mean"]), math.log(right[metric]["mean"])
-            return math.exp(low + share * (high - low))
-    return None
+    bracket = _bracket(reference, step, metric)
+    if bracket is None:
+        return None
+    left, right, share = bracket
+    low, high = math.log(left[metric]["mean"]), math.log(right[metric]["mean"])
+    return math.exp(low + share * (high - low))
 
 
 def band_position(reference: dict, step: int, dev_ppl: float) -> int | None:
