@@ -111,7 +111,7 @@ def test_a_training_run_reaches_an_mlflow_server_and_compare_reads_it_back(prepa
     run = MlflowClient(mlflow_server).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["preset"] == "served"
     # the saved view's knobs are parameters of every training run (tests above check the rest of the view)
-    from aiayn.tracking import RUNS_VIEW_PARAMS
+    from aiayn.tracking_view import RUNS_VIEW_PARAMS
 
     assert set(RUNS_VIEW_PARAMS) <= set(run.data.params)
     assert run.data.tags["mlflow.source.name"].endswith(" aiayn train")
@@ -147,7 +147,7 @@ def test_an_unreachable_tracking_server_stops_training_before_it_starts_and_at_o
 
 def saved_view(experiment) -> tuple[str, dict]:
     """The experiment's saved runs view read as the UI reads it: the envelope, then its state (JSON)."""
-    from aiayn.tracking import RUNS_VIEW_ID, SAVED_VIEW_TAG_PREFIX
+    from aiayn.tracking_view import RUNS_VIEW_ID, SAVED_VIEW_TAG_PREFIX
 
     envelope = json.loads(experiment.tags[SAVED_VIEW_TAG_PREFIX + RUNS_VIEW_ID])
     assert isinstance(envelope["createdAt"], int) and isinstance(envelope["state"], str)
@@ -174,7 +174,7 @@ def test_the_experiment_holds_a_saved_runs_view_of_bleu_and_the_table3_knobs(tmp
 
 
 def test_an_existing_experiment_gets_the_saved_view_and_a_changed_one_is_rewritten(tmp_path, tracking_uri_unset):
-    from aiayn.tracking import RUNS_VIEW_ID, SAVED_VIEW_TAG_PREFIX
+    from aiayn.tracking_view import RUNS_VIEW_ID, SAVED_VIEW_TAG_PREFIX
 
     client = open_client(f"sqlite:///{tmp_path}/mlflow.db")
     experiment_id = client.create_experiment("older")  # made before the view existed
@@ -188,7 +188,7 @@ def test_an_existing_experiment_gets_the_saved_view_and_a_changed_one_is_rewritt
 
 def test_the_views_bleu_columns_are_the_metrics_the_score_stage_logs(tmp_path, tracking_uri_unset):
     from aiayn.score import main as score
-    from aiayn.tracking import RUNS_VIEW_METRICS
+    from aiayn.tracking_view import RUNS_VIEW_METRICS
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = open_client(uri)
@@ -215,7 +215,7 @@ def test_the_source_column_names_the_commit():
 
 
 def test_the_screenshot_script_opens_the_saved_view_the_experiment_holds():
-    from aiayn.tracking import RUNS_VIEW_ID
+    from aiayn.tracking_view import RUNS_VIEW_ID
     from conftest import REPO
 
     # docs/mlflow_screenshot.py runs without aiayn (a venv with playwright), so it spells the id out
