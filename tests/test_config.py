@@ -185,7 +185,7 @@ def test_every_code_default_equals_the_schemas():
     search_defaults = dataclasses.asdict(SearchConfig())
     shared = set(search_defaults) & set(decode)
     assert shared == {"beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished",
-                      "stop_when_best_finished"}
+                      "stop_when_best_finished", "eos_candidates"}
     assert {key: search_defaults[key] for key in shared} == {key: decode[key] for key in shared}
     for function in (translate, search_batches):  # left out: the schema's (tests/test_stage_settings.py)
         parameters = inspect.signature(function).parameters

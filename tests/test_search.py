@@ -149,7 +149,7 @@ def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -
     """The slow, obvious search: every hypothesis re-runs model.forward on its whole prefix, one at a time.
 
     Same scheme as beam_search without early termination: the top 2 * beam candidates, EOS among the
-    top beam finish, the best beam others stay live, stop at the maximum length (or, with
+    top beam finish (among all 2 * beam with eos_candidates "all"), the best beam others stay live, stop at the maximum length (or, with
     stop_when_beam_finished, once beam have finished; with stop_when_best_finished, once the best
     candidate of some step has been EOS and n_best have finished).
     """
@@ -171,7 +171,7 @@ def reference_beam_search(inference, src_row: list[int], config: SearchConfig) -
             candidates += [(log_prob + value, tokens, token) for token, value in enumerate(log_probs.tolist())]
         candidates = sorted(candidates, key=lambda candidate: -candidate[0])[: 2 * beam]
         best_ended = best_ended or (candidates[0][2] == EOS_ID and math.isfinite(candidates[0][0]))
-        for log_prob, tokens, token in candidates[:beam]:
+        for log_prob, tokens, token in candidates[: 2 * beam if config.eos_candidates == "all" else beam]:
             if token == EOS_ID and math.isfinite(log_prob):
                 finished.append((log_prob / length_penalty(len(tokens) + 1, config.length_penalty), tokens))
         finished = sorted(finished, key=lambda hypothesis: -hypothesis[0])[:beam]
@@ -274,6 +274,28 @@ def test_stopping_when_the_best_candidate_ends_equals_the_slow_reference(kind, a
             assert [h.score for h in hypotheses] == pytest.approx([score for _, score in expected], abs=1e-4)
     if alpha == 2.0:
         assert differ > 0
+
+
+@pytest.mark.parametrize("steps, early_stopping, n_best", [(FAST_STEPS, True, 1), (PLAIN_STEPS, False, 3)],
+                         ids=["fast", "plain"])
+def test_every_eos_candidate_finishing_equals_the_slow_reference(early_stopping, n_best, steps, half_trained):
+    """tensor2tensor's rule (eos_candidates: all): an EOS candidate ranked below the top beam finishes too.
+    Its outputs equal the slow reference's under the same rule, and on these sentences some differ from
+    fairseq's (the default), so the switch changes what it says."""
+    config = SearchConfig(beam_size=3, length_penalty=0.6, max_len_a=0.5, max_len_b=6, n_best=n_best,
+                          early_stopping=early_stopping, eos_candidates="all")
+    differ = 0
+    for seed, lengths in ((2, [7, 3, 5, 9, 12, 4]), (12, [2, 8, 6, 10]), (22, [11, 5, 5, 3, 9])):
+        src = sources(lengths, seed=seed)
+        results = beam_search(half_trained, src, config, steps=steps)
+        default = beam_search(half_trained, src, dataclasses.replace(config, eos_candidates="top_beam"), steps=steps)
+        differ += sum([(h.tokens, h.score) for h in a] != [(h.tokens, h.score) for h in b]
+                      for a, b in zip(results, default))
+        for row, hypotheses in zip(src.tolist(), results):
+            expected = reference_beam_search(half_trained, [t for t in row if t != PAD_ID], config)[:n_best]
+            assert [h.tokens for h in hypotheses] == [tokens for tokens, _ in expected]
+            assert [h.score for h in hypotheses] == pytest.approx([score for _, score in expected], abs=1e-4)
+    assert differ > 0
 
 
 @pytest.mark.parametrize("kind", ["half_trained", "random"])

@@ -35,7 +35,7 @@ from aiayn.tokens import BOS_ID, EOS_ID, PAD_ID
 
 # The schema's `decode` keys that are the search's own (the rest say how the decode stage feeds it).
 SEARCH_KEYS = ("beam_size", "length_penalty", "max_len_a", "max_len_b", "stop_when_beam_finished",
-               "stop_when_best_finished")
+               "stop_when_best_finished", "eos_candidates")
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,6 +65,8 @@ class SearchConfig:
     # also stop once a step's best candidate has ended and n_best hypotheses have finished (CTranslate2's
     # early exit; ``search_ends``)
     stop_when_best_finished: bool = _paper("stop_when_best_finished")
+    # which EOS candidates of a step's 2 * beam_size finish: "top_beam" (fairseq's), "all" (tensor2tensor's)
+    eos_candidates: str = _paper("eos_candidates")
     # Of the Python API alone (the decode stage writes the best of each sentence and always stops early):
     n_best: int = 1  # hypotheses returned per sentence, best first
     early_stopping: bool = True  # stop a sentence once no live hypothesis can beat its finished ones
@@ -132,8 +134,9 @@ def beam_search(
 
     Each step scores every (live hypothesis, next token) pair of a sentence and keeps the top
     2 * beam_size; of those, the ones ending in EOS that rank in the top beam_size are finished (their
-    score divided by the length penalty), and the best beam_size others stay live, so the beam is
-    always full (fairseq's scheme). ``search_ends`` decides when a sentence's search ends; a sentence
+    score divided by the length penalty; fairseq's scheme, ``eos_candidates: top_beam``, or every EOS
+    candidate of the 2 * beam_size with ``all``, tensor2tensor's), and the best beam_size others stay
+    live, so the beam is always full. ``search_ends`` decides when a sentence's search ends; a sentence
     whose search has ended leaves the batch (its cache rows are dropped), so short sentences do not
     wait for long ones.
 
@@ -158,7 +161,7 @@ def beam_search(
         force_eos = beams.max_lens.eq(step)[:, None].expand_as(beams.live_log_probs).reshape(-1)
         log_probs = steps.log_probs(model.decode_step(beams.last_tokens, step, cache), force_eos)
         candidates = _Candidates.best(log_probs, beams.live_log_probs, beam, steps)
-        beams.finish(candidates, step, config.length_penalty, steps)
+        beams.finish(candidates, step, config.length_penalty, steps, all_candidates=config.eos_candidates == "all")
         parent_rows, new_tokens = beams.continue_live(candidates, steps)
         done = search_ends(beams, candidates, step, config)
         going_on = steps.next_rows(cache, parent_rows, done, step)  # reorders the cache
@@ -282,18 +285,21 @@ class _Beams:
     def beam(self) -> int:
         return self.finished_scores.shape[1]
 
-    def finish(self, candidates: _Candidates, step: int, alpha: float, steps: SearchSteps) -> None:
-        """The EOS candidates among the top beam_size finish (their score divided by the length penalty)
-        and merge with the earlier ones, keeping the best beam_size. A step where nothing ends may skip
-        the merge (its concatenations and gathers), where the steps can tell cheaply (the CPU's)."""
+    def finish(self, candidates: _Candidates, step: int, alpha: float, steps: SearchSteps,
+               all_candidates: bool = False) -> None:
+        """The EOS candidates among the top beam_size (``all_candidates``: among all 2 * beam_size) finish
+        (their score divided by the length penalty) and merge with the earlier ones, keeping the best
+        beam_size. A step where nothing ends may skip the merge (its concatenations and gathers), where
+        the steps can tell cheaply (the CPU's)."""
         beam, width = self.beam, self.live_tokens.shape[1]
-        top_log_probs = candidates.log_probs[:, :beam]
-        ends = candidates.tokens[:, :beam].eq(EOS_ID) & top_log_probs.isfinite()
+        considered = 2 * beam if all_candidates else beam
+        top_log_probs = candidates.log_probs[:, :considered]
+        ends = candidates.tokens[:, :considered].eq(EOS_ID) & top_log_probs.isfinite()
         if not steps.may_be_set(ends):
             return
         end_log_probs = top_log_probs.masked_fill(~ends, -math.inf)
         end_scores = end_log_probs / length_penalty(step + 1.0, alpha)
-        end_tokens = self.live_tokens[candidates.rows[:, :beam].reshape(-1)].view(self.active, beam, width)
+        end_tokens = self.live_tokens[candidates.rows[:, :considered].reshape(-1)].view(self.active, considered, width)
         merged_scores, merged_index = torch.cat([self.finished_scores, end_scores], dim=1).topk(beam, dim=1)
         self.finished_scores = merged_scores
         self.finished_log_probs = torch.cat([self.finished_log_probs, end_log_probs], dim=1).gather(1, merged_index)
