@@ -19,6 +19,10 @@ already written is reused, so a stopped measurement goes on):
   ``bleu_tok``) and through Moses tokenisation alone, without replace-unicode-punctuation (tensor2tensor's
   ``get_ende_bleu.sh`` scores against a reference tokenised beforehand).
 - ``pieces``: BPE pieces per word of a text, and dev perplexity per piece and per word of each run.
+- ``smoothing``: how far tensor2tensor's label smoothing (eps / (V - 1) to the other tokens) moves the training
+  signal from this project's (eps / V to every token): on a trained model and the dev split's first batch, the
+  relative distance between the two gradients, beside the distance between two dropout draws of the same
+  batch (the noise every step has anyway).
 
 From the repository root, for example (the commands of BENCHMARKS.md, "The deviations, measured")::
 
@@ -89,8 +93,11 @@ def wall_seconds(path: Path) -> float:
     return float(checkpoint["progress"]["wall_seconds"])
 
 
-def averaged_model(run: Path, picks: list[int], out: Path) -> Path:
-    """The average of the run's checkpoints at ``picks``, written once to ``out``."""
+def averaged_model(run: Path, picks: list[int], out_dir: Path) -> Path:
+    """The average of the run's checkpoints at ``picks``, written once under ``out_dir`` (named by the run's
+    path and the steps, so that every measurement of the same average shares one file and its decodes)."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", str(run.resolve())).strip("_") + "_" + "-".join(map(str, picks))
+    out = out_dir / "models" / f"{name}.pt"
     if not out.exists():
         found = checkpoints(run)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,10 +105,12 @@ def averaged_model(run: Path, picks: list[int], out: Path) -> Path:
     return out
 
 
-def decode(model_path: Path, spm_model: Path, sentences: list[str], search: SearchConfig, out: Path) -> list[str]:
-    """Translations of ``sentences`` by the model, written to ``out`` (read back where it exists)."""
+def decode(model_path: Path, spm_model: Path, sentences: list[str], search: SearchConfig, out_dir: Path) -> list[str]:
+    """Translations of ``sentences`` by the model, written once under ``out_dir`` (named by the model and the
+    EOS rule, the one search setting these measurements vary) and read back where they exist."""
     import sentencepiece
 
+    out = out_dir / "decodes" / f"{model_path.stem}_{search.eos_candidates}.txt"
     if out.exists():
         return out.read_text(encoding="utf-8").split("\n")[:-1]
     processor = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
@@ -150,15 +159,15 @@ def print_table(result: dict) -> None:
     base = result["variants"][result["baseline"]]
     print(f"\n{result['measure']}: test sacreBLEU per seed, mean [range]; bleu_tok mean; against "
           f"{result['baseline']}: mean difference, paired bootstrap p per seed")
-    print("| variant | sacreBLEU per seed | mean [range] | bleu_tok mean | difference | p per seed |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | sacreBLEU per seed | mean [range] | bleu_tok mean | difference | p per seed | outputs changed |")
+    print("|---|---|---|---|---|---|---|")
     for variant, row in result["variants"].items():
         values = row["sacrebleu"]
         difference = statistics.mean(values) - statistics.mean(base["sacrebleu"])
         p = " / ".join(f"{p:.3f}" for p in row.get("p", [])) or "-"
         print(f"| {variant} | {' / '.join(f'{v:.2f}' for v in values)} | {statistics.mean(values):.2f} "
               f"[{min(values):.2f}, {max(values):.2f}] | {statistics.mean(row['bleu_tok']):.2f} | "
-              f"{difference:+.2f} | {p} |")
+              f"{difference:+.2f} | {p} | {' / '.join(map(str, row.get('changed_lines', []))) or '-'} |")
 
 
 def run_arms(args: argparse.Namespace) -> dict:
@@ -167,23 +176,22 @@ def run_arms(args: argparse.Namespace) -> dict:
     variants = {}
     for name, runs in arms.items():
         variants[name] = []
-        for index, run in enumerate(runs):
+        for run in runs:
             picks = step_picks(list(checkpoints(run)), args.every, args.last)
-            model = averaged_model(run, picks, args.out / "models" / name / f"run{index}_steps.pt")
-            variants[name].append(decode(model, args.spm_model, sentences, SearchConfig(),
-                                         args.out / "decodes" / name / f"run{index}_steps.txt"))
+            model = averaged_model(run, picks, args.out)
+            variants[name].append(decode(model, args.spm_model, sentences, SearchConfig(), args.out))
     return compare("training choices", variants, refs, args.lang, args.samples)
 
 
 def run_eos(args: argparse.Namespace) -> dict:
     sentences, refs = read_lines(args.source), read_lines(args.ref)
     variants: dict[str, list[list[str]]] = {"top_beam": [], "all": []}
-    for index, run in enumerate(args.runs):
+    for run in args.runs:
         picks = step_picks(list(checkpoints(run)), args.every, args.last)
-        model = averaged_model(run, picks, args.out / "models" / "eos" / f"run{index}_steps.pt")
+        model = averaged_model(run, picks, args.out)
         for rule in variants:
             variants[rule].append(decode(model, args.spm_model, sentences, SearchConfig(eos_candidates=rule),
-                                         args.out / "decodes" / "eos" / f"run{index}_{rule}.txt"))
+                                         args.out))
     return compare("EOS candidates (decode.eos_candidates)", variants, refs, args.lang, args.samples)
 
 
@@ -191,16 +199,15 @@ def run_cadence(args: argparse.Namespace) -> dict:
     sentences, refs = read_lines(args.source), read_lines(args.ref)
     variants: dict[str, list[list[str]]] = {"steps": [], "clock": []}
     picked = []
-    for index, run in enumerate(args.runs):
+    for run in args.runs:
         found = checkpoints(run)
         walls = {step: wall_seconds(path) for step, path in sorted(found.items())}
         picks = {"steps": step_picks(list(found), args.every, args.last), "clock": clock_picks(walls, args.every,
                                                                                                args.last)}
         picked.append({cadence: steps for cadence, steps in picks.items()})
         for cadence, steps in picks.items():
-            model = averaged_model(run, steps, args.out / "models" / "cadence" / f"run{index}_{cadence}.pt")
-            variants[cadence].append(decode(model, args.spm_model, sentences, SearchConfig(),
-                                            args.out / "decodes" / "cadence" / f"run{index}_{cadence}.txt"))
+            model = averaged_model(run, steps, args.out)
+            variants[cadence].append(decode(model, args.spm_model, sentences, SearchConfig(), args.out))
         print(f"{run}: step cadence {picks['steps']}, clock cadence {picks['clock']}", file=sys.stderr)
     result = compare("checkpoint cadence", variants, refs, args.lang, args.samples)
     result["picked"] = picked
@@ -257,6 +264,41 @@ def run_pieces(args: argparse.Namespace) -> dict:
     return {"measure": "pieces", "pieces": pieces, "words": words, "rows": rows}
 
 
+def run_smoothing(args: argparse.Namespace) -> dict:
+    from aiayn.batching import collate, length_batches
+    from aiayn.binarize import load_split
+    from aiayn.loss import teacher_forced_loss
+
+    model = load_model(args.model, "cpu")
+    split = load_split(args.dev_data)
+    rows = length_batches(split.src_lengths, split.tgt_lengths, args.tokens)[0]
+    batch = collate(split, rows)
+    vocab = model.embedding.weight.shape[0]
+
+    def gradient(epsilon: float, train: bool, seed: int) -> torch.Tensor:
+        model.train(train)
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss, _ = teacher_forced_loss(model, batch.src, batch.tgt_in, batch.tgt_out, epsilon, tgt_real=batch.tgt_real)
+        loss.backward()
+        return torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    t2t_epsilon = args.epsilon * vocab / (vocab - 1)
+    result = {"measure": "label smoothing", "vocab": vocab, "epsilon": args.epsilon, "t2t_epsilon": t2t_epsilon,
+              "target_tokens": batch.tgt_tokens,
+              "forms_no_dropout": distance(gradient(t2t_epsilon, False, 1), gradient(args.epsilon, False, 1)),
+              "forms_same_dropout": distance(gradient(t2t_epsilon, True, 1), gradient(args.epsilon, True, 1)),
+              "two_dropout_draws": distance(gradient(args.epsilon, True, 2), gradient(args.epsilon, True, 1))}
+    print(f"\nlabel smoothing on {batch.tgt_tokens} target tokens, V = {vocab}: eps {args.epsilon} against "
+          f"tensor2tensor's form (eps {t2t_epsilon:.10f} in torch's): gradients' relative distance "
+          f"{result['forms_no_dropout']:.2e} without dropout, {result['forms_same_dropout']:.2e} with the same "
+          f"dropout; two dropout draws of the same batch: {result['two_dropout_draws']:.2e}")
+    return result
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.faithful.deviations", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -277,8 +319,13 @@ def arguments() -> argparse.ArgumentParser:
     sub.add_argument("--spm-model", type=Path, required=True)
     sub.add_argument("--text", type=Path, required=True, help="the dev target text")
     sub.add_argument("final", nargs="+", type=Path, help="final.json of each run")
+    sub = commands.add_parser("smoothing")
+    sub.add_argument("--model", type=Path, required=True, help="a trained model or checkpoint")
+    sub.add_argument("--dev-data", type=Path, required=True, help="the binarized dev split (results/.../bin/dev)")
+    sub.add_argument("--epsilon", type=float, default=0.1)
+    sub.add_argument("--tokens", type=int, default=4000, help="the batch's tokens per side")
     for sub in commands.choices.values():
-        if sub.prog.split()[-1] != "pieces":
+        if sub.prog.split()[-1] not in ("pieces", "smoothing"):
             sub.add_argument("--ref", type=Path, required=True, help="test reference text")
             sub.add_argument("--lang", default="de", help="target language")
         sub.add_argument("--out", type=Path, required=True, help="folder for decodes, models and JSON")
@@ -289,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     args = arguments().parse_args(argv)
     torch.set_num_threads(1)
     result = {"arms": run_arms, "eos": run_eos, "cadence": run_cadence, "reference": run_reference,
-              "pieces": run_pieces}[args.command](args)
+              "pieces": run_pieces, "smoothing": run_smoothing}[args.command](args)
     if "variants" in result:
         print_table(result)
     args.out.mkdir(parents=True, exist_ok=True)
