@@ -43,21 +43,20 @@ from pathlib import Path
 import torch
 
 from aiayn.average import average_checkpoints
-from aiayn.checkpoint import load_model, save_model
+from aiayn.bpe import load_processor
+from aiayn.checkpoint import list_checkpoints, load_model, save_model
 from aiayn.decode import hypothesis_text, translate
+from aiayn.reading import read_lines
 from aiayn.score import paired_bootstrap, score, split_compounds
 from aiayn.search import SearchConfig
 from aiayn.speed.incremental import InferenceModel
+from aiayn.writing import write_lines_atomic
 
 
 def checkpoints(run: Path) -> dict[int, Path]:
     """step -> window checkpoint of a run folder (its ``checkpoints/`` or the folder itself)."""
     folder = run / "checkpoints" if (run / "checkpoints").is_dir() else run
-    found = {}
-    for path in folder.glob("step_*.pt"):
-        match = re.fullmatch(r"step_(\d+)\.pt", path.name)
-        if match:
-            found[int(match.group(1))] = path
+    found = dict(list_checkpoints(folder))
     if not found:
         raise SystemExit(f"{folder}: no step_*.pt checkpoints")
     return found
@@ -108,22 +107,16 @@ def averaged_model(run: Path, picks: list[int], out_dir: Path) -> Path:
 def decode(model_path: Path, spm_model: Path, sentences: list[str], search: SearchConfig, out_dir: Path) -> list[str]:
     """Translations of ``sentences`` by the model, written once under ``out_dir`` (named by the model and the
     EOS rule, the one search setting these measurements vary) and read back where they exist."""
-    import sentencepiece
-
     out = out_dir / "decodes" / f"{model_path.stem}_{search.eos_candidates}.txt"
     if out.exists():
-        return out.read_text(encoding="utf-8").split("\n")[:-1]
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
+        return read_lines(out)
+    processor = load_processor(spm_model)
     model = InferenceModel(load_model(model_path, "cpu", spm_model=spm_model))
     hypotheses = translate(model, processor, sentences, search, tokens_per_batch=6000, progress=False, workers=1)
     lines = [hypothesis_text(processor, best[0]) for best in hypotheses]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    write_lines_atomic(out, lines)
     return lines
-
-
-def read_lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").split("\n")[:-1]
 
 
 def parse_arms(values: list[str]) -> dict[str, list[Path]]:
@@ -245,9 +238,7 @@ def run_reference(args: argparse.Namespace) -> dict:
 def run_pieces(args: argparse.Namespace) -> dict:
     """Pieces per word of ``--text`` under ``--spm-model``; each run's final dev perplexity per piece and
     per word (exp of the same summed NLL over words instead of pieces, the EOS counted as a piece)."""
-    import sentencepiece
-
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(args.spm_model))
+    processor = load_processor(args.spm_model)
     lines = read_lines(args.text)
     pieces = sum(len(ids) + 1 for ids in processor.encode(lines))  # + EOS, as the dev perplexity counts it
     words = sum(len(line.split()) + 1 for line in lines)
