@@ -14,6 +14,7 @@ import time
 import pandas as pd
 import pytest
 import torch
+from aiayn import layout
 from conftest import REPO, write_text_corpus
 
 OVERRIDE = """
@@ -306,7 +307,9 @@ def test_a_run_killed_midway_and_restarted_gives_the_tables_of_an_uninterrupted_
 
 
 TIME_BUDGETED = "demo_nopos"  # the preset of the shared override with a time budget (max_minutes)
-EVERY_PRESET = ("report/dev_ppl.png", "report/table3_bleu.png")  # figures that draw the time-budgeted one too
+# figures that draw the time-budgeted preset too: the shared ones, and its own band figure
+EVERY_PRESET = (f"report/{layout.DEV_PPL_FIGURE}", f"report/{layout.TABLE3_BLEU_FIGURE}",
+                f"report/{layout.band_figure_name(TIME_BUDGETED)}")
 
 
 # What two runs of the DAG may write differently (docs/results.md): logs, the training
