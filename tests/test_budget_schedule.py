@@ -7,9 +7,9 @@ from aiayn.train.budget_schedule import MEASURE_STEPS, BudgetSchedule, decay_sha
 PEAK = 1.26e-3
 
 
-def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500):
+def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500, decay_share=0.2):
     return BudgetSchedule(peak=PEAK, floor=floor, preset_warmup=warmup, warmup_share=share, shape=shape,
-                          budget=budget)
+                          budget=budget, decay_share=decay_share)
 
 
 def test_a_steady_pace_gives_the_stated_projection_warmup_and_decay():
@@ -21,11 +21,34 @@ def test_a_steady_pace_gives_the_stated_projection_warmup_and_decay():
     assert fitted.warmup == 60  # 10% of 600, under the preset's 500
     # before the fit, the preset's slope; then on to the peak at the fitted warmup's end
     assert lrs[5] == pytest.approx(PEAK * 5 / 500)
-    assert lrs[60] == pytest.approx(PEAK) and max(lrs.values()) == pytest.approx(PEAK)
-    # linear from the peak to the floor at the last step the budget holds
+    assert lrs[30] < lrs[31] < lrs[60] == pytest.approx(PEAK) and max(lrs.values()) == pytest.approx(PEAK)
+    # the peak held until the last 20% of the steps the budget holds (480 of 600), then linear to the floor
     assert len(lrs) == 600
+    assert all(lrs[step] == PEAK for step in range(60, 481))
+    assert lrs[540] == pytest.approx(PEAK * (600 - 540) / (600 - 480), rel=1e-6)
+    assert lrs[600] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_decay_share_of_one_decays_from_the_warmups_end():
+    fitted = schedule(decay_share=1.0)
+    lrs = dict(played(fitted, [1.5]))
+    assert fitted.warmup == 60 and fitted.end_step == 600
     assert lrs[330] == pytest.approx(PEAK * (600 - 330) / (600 - 60), rel=1e-6)
     assert lrs[600] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_slowdown_that_moves_the_decay_before_the_current_step_starts_it_there_without_a_jump():
+    fitted = schedule(budget=900.0)
+    # 1 s a step (about 900 steps, the decay from about 720), then four times as slow from step 600:
+    # the projection falls below 700 and the decay's start before the step already made
+    lrs = played(fitted, [1.0] * 599 + [4.0] * 2000)
+    decay_from = next(step for step, lr in lrs if step > fitted.warmup and lr < PEAK) - 1
+    assert decay_from > 600 and fitted.end_step < 700  # the peak held until the slowdown's revision
+    steps = [lr for step, lr in lrs if step >= fitted.warmup]
+    drops = [earlier - later for earlier, later in zip(steps, steps[1:])]
+    assert min(drops) >= -1e-15  # never up
+    assert max(drops) <= 1.5 * PEAK / (fitted.end_step - decay_from)  # no jump: one step of the decay
+    assert lrs[-1][1] <= PEAK / 20
 
 
 def test_the_warmup_is_capped_by_the_presets():
@@ -62,7 +85,8 @@ def test_the_floor_is_reached_at_the_budgets_end_within_one_step(shape):
     fitted = schedule(budget=900.0, shape=shape, floor=floor)
     lrs = played(fitted, [1.3, 1.7, 1.5])
     step, last = lrs[-1]
-    one_step = PEAK / (fitted.end_step - fitted.warmup) * (1.0 if shape == "linear" else 3.2)  # cosine: pi/2 at most
+    start = next(step for step, lr in lrs if step > fitted.warmup and lr < PEAK) - 1  # where the decay began
+    one_step = PEAK / (fitted.end_step - start) * (1.0 if shape == "linear" else 3.2)  # cosine: pi/2 at most
     assert floor <= last <= floor + one_step
     assert abs(step - fitted.end_step) <= 1
 
@@ -88,7 +112,8 @@ def test_a_resumed_schedule_continues_the_fitted_one():
 def test_a_tiny_budget_has_a_warmup_no_shorter_than_its_measurement():
     fitted = schedule(budget=30.0)
     lrs = dict(played(fitted, [1.0]))
-    assert fitted.warmup == MEASURE_STEPS and lrs[MEASURE_STEPS + 1] < PEAK
+    assert fitted.warmup == MEASURE_STEPS and lrs[MEASURE_STEPS + 1] == pytest.approx(PEAK)
+    assert lrs[max(lrs)] <= PEAK / 4  # and it still decays over the budget's last steps
 
 
 def test_decay_shapes():

@@ -8,13 +8,15 @@ when a clock ends the run: a slow box spends its budget climbing, a fast one dec
 - the warmup: ``budget_warmup_share`` of the projected steps, at most the preset's ``warmup_steps``. Until the
   first ``MEASURE_STEPS`` steps have given a pace, the ramp climbs at the preset's own slope; from there it
   climbs linearly to the peak at the fitted warmup's end;
-- the decay: from the peak to ``budget_floor`` x peak at the projected last step, ``linear`` or ``cosine``.
+- the stable phase: the peak held until the decay ("warmup-stable-decay"), so a young run keeps its learning rate;
+- the decay: over the last ``budget_decay_share`` of the projected steps, from the peak to ``budget_floor`` x peak
+  at the projected last step, ``linear`` or ``cosine``. A share of 1 decays from the warmup's end on.
 
 The pace is the median seconds a step over the last ``RATE_WINDOW`` steps, plus the run's overhead per step (the
 time of dev evaluations and checkpoints beyond a step, over the steps up to the last of them), so a dev evaluation
 does not read as a slowdown while a second job on the machine does. Every ``REVISE_EVERY`` steps the projection is revised; in the
-decay a revision restarts the shape from the current step and learning rate towards the new end, so it never
-raises the learning rate. The state is plain data, saved with each checkpoint: a resumed run continues it.
+decay (or when a revision moves the decay's start to a step already made) a revision restarts the shape from the
+current step and learning rate towards the new end, so it never raises the learning rate. The state is plain data, saved with each checkpoint: a resumed run continues it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class BudgetSchedule:
     warmup_share: float
     shape: str
     budget: float           # seconds on the run's clock
+    decay_share: float = 1.0            # the decay runs over this share of the projected steps, at the end
     warmup: int | None = None           # fitted at step MEASURE_STEPS
     ramp_from: list = field(default_factory=list)   # [step, lr] where the fitted ramp starts
     anchor: list = field(default_factory=list)      # [step, lr] where the current decay starts
@@ -70,9 +73,15 @@ class BudgetSchedule:
             if self.warmup <= ramp_step:
                 return self.peak
             return ramp_lr + (self.peak - ramp_lr) * (step - ramp_step) / (self.warmup - ramp_step)
-        start, start_lr = self.anchor if self.anchor else (self.warmup, self.peak)
+        start, start_lr = self.anchor if self.anchor else (self.decay_start(self.end_step), self.peak)
+        if step <= start:
+            return self.peak  # the stable phase
         span = max(self.end_step - start, 1)
         return self.floor + (start_lr - self.floor) * decay_shape(self.shape, (step - start) / span)
+
+    def decay_start(self, end_step: int) -> int:
+        """The step after which the decay to a projected last step ``end_step`` begins."""
+        return max(self.warmup, end_step - round(self.decay_share * end_step))
 
     def observe(self, step: int, clock: float) -> dict | None:
         """Step ``step`` is done, the run's clock (summed over resumes, the same on every process) at ``clock``
@@ -95,9 +104,10 @@ class BudgetSchedule:
         if self.warmup is None:
             self.warmup = max(min(round(self.warmup_share * projected), self.preset_warmup), step)
             self.ramp_from = [step, lr_now]
-        elif step > self.warmup:
-            self.anchor = [step, lr_now]  # the decay goes on from here: never back up
-        self.end_step = max(projected, self.warmup + 1)
+        end_step = max(projected, self.warmup + 1)
+        if step > self.warmup and (self.anchor or step >= self.decay_start(end_step)):
+            self.anchor = [step, lr_now]  # the decay goes on (or starts) from here: never back up
+        self.end_step = end_step
         revision = {"step": step, "projected_steps": self.end_step, "lr": lr_now, "seconds_per_step": pace}
         self.revisions.append(revision)
         return revision
@@ -115,6 +125,7 @@ class BudgetSchedule:
         return {"budget_projected_steps": first.get("projected_steps"), "budget_final_projection": self.end_step,
                 "budget_warmup": self.warmup, "budget_peak_lr": self.peak, "budget_floor_lr": self.floor,
                 "budget_revisions": len(self.revisions), "budget_decay": self.shape,
+                "budget_decay_share": self.decay_share,
                 "budget_logged_revisions": [r for r in self.revisions if r.get("logged")]}
 
 
@@ -149,6 +160,7 @@ def run_schedule(settings, d_model: int, saved: dict | None) -> PaperSchedule | 
     peak = learning_rate(settings.warmup_steps, d_model, settings.warmup_steps, settings.lr_scale)
     return BudgetSchedule(peak=peak, floor=settings.budget_floor * peak, preset_warmup=settings.warmup_steps,
                           warmup_share=settings.budget_warmup_share, shape=settings.budget_decay,
+                          decay_share=settings.budget_decay_share,
                           budget=settings.max_minutes * 60)
 
 
@@ -166,7 +178,8 @@ def describe(schedule: BudgetSchedule, revision: dict) -> str:
     if revision is schedule.revisions[0]:
         return (f"budget schedule: {revision['seconds_per_step']:.3f} s a step over the first steps, so about "
                 f"{revision['projected_steps']} steps in {schedule.budget / 60:g} minutes: warmup {schedule.warmup} "
-                f"steps to {schedule.peak:.3g}, then {schedule.shape} to {schedule.floor:.3g} at the budget's end")
+                f"steps to {schedule.peak:.3g}, held to step {schedule.decay_start(revision['projected_steps'])}, "
+                f"then {schedule.shape} to {schedule.floor:.3g} at the budget's end")
     return (f"budget schedule revised at step {revision['step']}: {revision['seconds_per_step']:.3f} s a step, "
             f"the budget now ends at about step {revision['projected_steps']} (learning rate {revision['lr']:.3g}, "
             f"never raised)")

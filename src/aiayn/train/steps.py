@@ -57,6 +57,7 @@ class TrainSettings:
     budget_warmup_share: float = 0.1
     budget_floor: float = 0.0
     budget_decay: str = "linear"
+    budget_decay_share: float = 0.2
 
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
@@ -85,7 +86,8 @@ class TrainSettings:
             attention=train["attention"],
             # not filled into presets (x-fill: false): a preset without them keeps its params, and its runs
             **{key: preset.get(key, preset_default(key))
-               for key in ("schedule", "budget_warmup_share", "budget_floor", "budget_decay")},
+               for key in ("schedule", "budget_warmup_share", "budget_floor", "budget_decay",
+                             "budget_decay_share")},
         ).checked(preset.get("name"))
 
     def checked(self, preset_name: str | None) -> "TrainSettings":
