@@ -4,10 +4,12 @@ A step-planned schedule (warmup, then the paper's inverse square root) is a diff
 when a clock ends the run: a slow box spends its budget climbing, a fast one decays for most of it. With
 ``schedule: budget`` a run with a time budget (``train.max_minutes``) measures its own pace and fits:
 
-- the peak: the paper's formula at the preset's ``warmup_steps`` and ``lr_scale`` (the step-planned peak);
-- the warmup: ``budget_warmup_share`` of the projected steps, at most the preset's ``warmup_steps``. Until the
-  first ``MEASURE_STEPS`` steps have given a pace, the ramp climbs at the preset's own slope; from there it
-  climbs linearly to the peak at the fitted warmup's end;
+- the warmup (``budget_warmup``): ``share``: ``budget_warmup_share`` of the projected steps, at most the preset's
+  ``warmup_steps``, climbing to the paper's peak (the formula at the preset's ``warmup_steps`` and ``lr_scale``),
+  so more steeply than the preset where it is shorter; ``slope``: the preset's own warmup, at its slope, cut
+  where the decay must begin, its peak the learning rate it reached there (the paper's peak where the budget
+  holds the whole warmup). Until the first ``MEASURE_STEPS`` steps have given a pace, the ramp climbs at the
+  preset's slope;
 - the stable phase: the peak held until the decay ("warmup-stable-decay"), so a young run keeps its learning rate;
 - the decay: over the last ``budget_decay_share`` of the projected steps, from the peak to ``budget_floor`` x peak
   at the projected last step, ``linear`` or ``cosine``. A share of 1 decays from the warmup's end on.
@@ -56,6 +58,7 @@ class BudgetSchedule:
     shape: str
     budget: float           # seconds on the run's clock
     decay_share: float = 1.0            # the decay runs over this share of the projected steps, at the end
+    warmup_mode: str = "share"          # or "slope": the preset's warmup, cut where the decay begins
     warmup: int | None = None           # fitted at step MEASURE_STEPS
     ramp_from: list = field(default_factory=list)   # [step, lr] where the fitted ramp starts
     anchor: list = field(default_factory=list)      # [step, lr] where the current decay starts
@@ -102,7 +105,13 @@ class BudgetSchedule:
         projected = step + max(int((self.budget - clock) / max(pace, 1e-9)), 0)
         lr_now = self.lr(step)
         if self.warmup is None:
-            self.warmup = max(min(round(self.warmup_share * projected), self.preset_warmup), step)
+            if self.warmup_mode == "slope":
+                end = max(projected, step + 1)
+                self.warmup = max(min(end - round(self.decay_share * end), self.preset_warmup), step)
+                self.floor *= self.warmup / self.preset_warmup
+                self.peak *= self.warmup / self.preset_warmup  # what the preset's slope reaches at the cut
+            else:
+                self.warmup = max(min(round(self.warmup_share * projected), self.preset_warmup), step)
             self.ramp_from = [step, lr_now]
         end_step = max(projected, self.warmup + 1)
         if step > self.warmup and (self.anchor or step >= self.decay_start(end_step)):
@@ -125,7 +134,7 @@ class BudgetSchedule:
         return {"budget_projected_steps": first.get("projected_steps"), "budget_final_projection": self.end_step,
                 "budget_warmup": self.warmup, "budget_peak_lr": self.peak, "budget_floor_lr": self.floor,
                 "budget_revisions": len(self.revisions), "budget_decay": self.shape,
-                "budget_decay_share": self.decay_share,
+                "budget_decay_share": self.decay_share, "budget_warmup_mode": self.warmup_mode,
                 "budget_logged_revisions": [r for r in self.revisions if r.get("logged")]}
 
 
@@ -160,7 +169,7 @@ def run_schedule(settings, d_model: int, saved: dict | None) -> PaperSchedule | 
     peak = learning_rate(settings.warmup_steps, d_model, settings.warmup_steps, settings.lr_scale)
     return BudgetSchedule(peak=peak, floor=settings.budget_floor * peak, preset_warmup=settings.warmup_steps,
                           warmup_share=settings.budget_warmup_share, shape=settings.budget_decay,
-                          decay_share=settings.budget_decay_share,
+                          decay_share=settings.budget_decay_share, warmup_mode=settings.budget_warmup,
                           budget=settings.max_minutes * 60)
 
 

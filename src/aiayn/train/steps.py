@@ -58,6 +58,7 @@ class TrainSettings:
     budget_floor: float = 0.0
     budget_decay: str = "linear"
     budget_decay_share: float = 0.2
+    budget_warmup: str = "share"
 
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
@@ -87,7 +88,7 @@ class TrainSettings:
             # not filled into presets (x-fill: false): a preset without them keeps its params, and its runs
             **{key: preset.get(key, preset_default(key))
                for key in ("schedule", "budget_warmup_share", "budget_floor", "budget_decay",
-                             "budget_decay_share")},
+                             "budget_decay_share", "budget_warmup")},
         ).checked(preset.get("name"))
 
     def checked(self, preset_name: str | None) -> "TrainSettings":
