@@ -7,9 +7,9 @@ from aiayn.train.budget_schedule import MEASURE_STEPS, BudgetSchedule, decay_sha
 PEAK = 1.26e-3
 
 
-def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500, decay_share=0.2):
+def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500, decay_share=0.2, mode="share"):
     return BudgetSchedule(peak=PEAK, floor=floor, preset_warmup=warmup, warmup_share=share, shape=shape,
-                          budget=budget, decay_share=decay_share)
+                          budget=budget, decay_share=decay_share, warmup_mode=mode)
 
 
 def test_a_steady_pace_gives_the_stated_projection_warmup_and_decay():
@@ -27,6 +27,21 @@ def test_a_steady_pace_gives_the_stated_projection_warmup_and_decay():
     assert all(lrs[step] == PEAK for step in range(60, 481))
     assert lrs[540] == pytest.approx(PEAK * (600 - 540) / (600 - 480), rel=1e-6)
     assert lrs[600] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_slope_warmup_keeps_the_presets_slope_and_is_cut_where_the_decay_begins():
+    # 2 s a step: about 450 steps in 900 s, the decay over the last 90; the preset's warmup (500) is cut at 360
+    fitted = schedule(mode="slope", floor=PEAK / 10)
+    lrs = dict(played(fitted, [2.0]))
+    assert fitted.end_step == 450 and fitted.warmup == 360
+    assert all(lrs[step] == pytest.approx(PEAK * step / 500) for step in (5, 10, 11, 200, 360))  # never steeper
+    assert fitted.peak == pytest.approx(PEAK * 360 / 500) and fitted.floor == pytest.approx(fitted.peak / 10)
+    assert lrs[405] == pytest.approx(fitted.floor + (fitted.peak - fitted.floor) * 0.5)
+    assert lrs[450] == pytest.approx(fitted.floor)
+    # a budget that holds the whole warmup reaches the paper's peak, and holds it until the decay
+    long = schedule(mode="slope", budget=1800.0)
+    lrs = dict(played(long, [1.0]))
+    assert long.warmup == 500 and long.peak == PEAK and lrs[1000] == PEAK and lrs[1800] == pytest.approx(0.0)
 
 
 def test_a_decay_share_of_one_decays_from_the_warmups_end():
