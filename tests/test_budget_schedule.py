@@ -3,6 +3,7 @@
 import pytest
 
 from aiayn.train.budget_schedule import MEASURE_STEPS, BudgetSchedule, decay_shape, played
+from aiayn.train.schedule import learning_rate
 
 PEAK = 1.26e-3
 
@@ -164,7 +165,11 @@ def test_the_trainer_fits_its_schedule_to_the_steps_the_budget_holds(fitted_run)
     run_dir, summary = fitted_run
     assert summary["stopped_by"] == "max_minutes"
     assert abs(summary["budget_projected_steps"] - summary["step"]) <= 2
-    assert summary["budget_warmup"] == round(0.1 * summary["budget_projected_steps"])  # not the preset's 4000
+    # budget_warmup: slope (left out): the preset's warmup of 4000 cut where the last 20% of the steps begin
+    projected = summary["budget_projected_steps"]
+    assert summary["budget_warmup"] == projected - round(0.2 * projected)
+    assert summary["budget_peak_lr"] == pytest.approx(
+        learning_rate(4000, 32, 4000, 1.0) * summary["budget_warmup"] / 4000)  # the tiny preset: d_model 32
     assert summary["budget_logged_revisions"][0]["step"] == MEASURE_STEPS
     lrs = lrs_of(run_dir)
     peak = summary["budget_peak_lr"]

@@ -58,7 +58,7 @@ class TrainSettings:
     budget_floor: float = 0.0
     budget_decay: str = "linear"
     budget_decay_share: float = 0.2
-    budget_warmup: str = "share"
+    budget_warmup: str = "slope"
 
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
