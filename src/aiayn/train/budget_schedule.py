@@ -18,7 +18,8 @@ The pace is the median seconds a step over the last ``RATE_WINDOW`` steps, plus 
 time of dev evaluations and checkpoints beyond a step, over the steps up to the last of them), so a dev evaluation
 does not read as a slowdown while a second job on the machine does. Every ``REVISE_EVERY`` steps the projection is revised; in the
 decay (or when a revision moves the decay's start to a step already made) a revision restarts the shape from the
-current step and learning rate towards the new end, so it never raises the learning rate. The state is plain data, saved with each checkpoint: a resumed run continues it.
+current step and learning rate towards the new end, so it never raises the learning rate. The state is plain
+data, saved with each checkpoint: a resumed run continues it.
 """
 
 from __future__ import annotations
