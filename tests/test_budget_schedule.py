@@ -13,6 +13,11 @@ def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500, dec
                           budget=budget, decay_share=decay_share, warmup_mode=mode)
 
 
+def decay_began(fitted: BudgetSchedule, lrs: list[tuple[int, float]]) -> int:
+    """The last step at the peak before the learning rate first fell below it, after the warmup."""
+    return next(step for step, lr in lrs if step > fitted.warmup and lr < PEAK) - 1
+
+
 def test_a_steady_pace_gives_the_stated_projection_warmup_and_decay():
     fitted = schedule()
     lrs = dict(played(fitted, [1.5]))
@@ -58,7 +63,7 @@ def test_a_slowdown_that_moves_the_decay_before_the_current_step_starts_it_there
     # 1 s a step (about 900 steps, the decay from about 720), then four times as slow from step 600:
     # the projection falls below 700 and the decay's start before the step already made
     lrs = played(fitted, [1.0] * 599 + [4.0] * 2000)
-    decay_from = next(step for step, lr in lrs if step > fitted.warmup and lr < PEAK) - 1
+    decay_from = decay_began(fitted, lrs)
     assert decay_from > 600 and fitted.end_step < 700  # the peak held until the slowdown's revision
     steps = [lr for step, lr in lrs if step >= fitted.warmup]
     drops = [earlier - later for earlier, later in zip(steps, steps[1:])]
@@ -101,7 +106,7 @@ def test_the_floor_is_reached_at_the_budgets_end_within_one_step(shape):
     fitted = schedule(budget=900.0, shape=shape, floor=floor)
     lrs = played(fitted, [1.3, 1.7, 1.5])
     step, last = lrs[-1]
-    start = next(step for step, lr in lrs if step > fitted.warmup and lr < PEAK) - 1  # where the decay began
+    start = decay_began(fitted, lrs)
     one_step = PEAK / (fitted.end_step - start) * (1.0 if shape == "linear" else 3.2)  # cosine: pi/2 at most
     assert floor <= last <= floor + one_step
     assert abs(step - fitted.end_step) <= 1
