@@ -8,9 +8,11 @@ from aiayn.train.schedule import learning_rate
 PEAK = 1.26e-3
 
 
-def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500, decay_share=0.2, mode="share"):
+def schedule(budget=900.0, shape="linear", floor=0.0, share=0.1, warmup=500, decay_share=0.2, mode="share",
+             tokens=4000, min_steps=0, min_tokens=1000):
     return BudgetSchedule(peak=PEAK, floor=floor, preset_warmup=warmup, warmup_share=share, shape=shape,
-                          budget=budget, decay_share=decay_share, warmup_mode=mode)
+                          budget=budget, decay_share=decay_share, warmup_mode=mode, tokens_per_step=tokens,
+                          min_steps=min_steps, min_tokens=min_tokens)
 
 
 def decay_began(fitted: BudgetSchedule, lrs: list[tuple[int, float]]) -> int:
@@ -48,6 +50,50 @@ def test_the_slope_warmup_keeps_the_presets_slope_and_is_cut_where_the_decay_beg
     long = schedule(mode="slope", budget=1800.0)
     lrs = dict(played(long, [1.0]))
     assert long.warmup == 500 and long.peak == PEAK and lrs[1000] == PEAK and lrs[1800] == pytest.approx(0.0)
+
+
+def test_the_slope_warmups_cut_follows_the_projection_while_it_climbs():
+    # slow first steps (3 s: new shapes) project about 300 steps and a cut at 240; at 2 s a step from then on the
+    # budget holds about 440, and the cut moves out with it, the ramp still at the preset's slope
+    fitted = schedule(mode="slope")
+    lrs = played(fitted, [3.0] * 10 + [2.0] * 1000)
+    assert fitted.revisions[0]["projected_steps"] == 300
+    assert 340 <= fitted.warmup <= 360 and fitted.peak == pytest.approx(PEAK * fitted.warmup / 500)
+    lr = dict(lrs)
+    assert all(lr[step] == pytest.approx(PEAK * step / 500) for step in range(1, fitted.warmup + 1))
+    values = [value for _, value in lrs]
+    assert max(values) == pytest.approx(fitted.peak)
+    assert lr[len(lr)] <= fitted.peak / 20  # and it still decays to the floor at the budget's end
+    # a projection that falls while it climbs cuts it sooner, but never behind the step already made
+    falling = schedule(mode="slope")
+    played(falling, [1.0] * 100 + [4.0] * 1000)
+    assert 100 <= falling.warmup < 400 and falling.peak == pytest.approx(PEAK * falling.warmup / 500)
+
+
+def test_a_budget_that_holds_too_few_steps_trains_smaller_ones():
+    # 2 s a step of 4000 tokens: about 450 steps in 900 s, fewer than budget_min_steps (1600); at the first fit
+    # (step 10, 20 s) the 880 s left hold 1590 steps of 1106 tokens, each taking its share of the time
+    fitted = schedule(mode="slope", min_steps=1600)
+    lrs = dict(played(fitted, [2.0]))
+    first = fitted.revisions[0]
+    assert fitted.tokens_per_step == 1106 and first["preset_tokens"] == 4000
+    assert first["projected_steps"] == 1601 and abs(len(lrs) - 1600) <= 2
+    # the whole preset warmup fits now: its peak, held until the last 20%, then to the floor at the end
+    assert fitted.warmup == 500 and fitted.peak == PEAK and lrs[1200] == PEAK
+    assert lrs[len(lrs)] <= PEAK / 100
+    assert fitted.summary()["budget_tokens_per_step"] == 1106
+
+
+def test_the_fitted_step_has_a_floor_and_a_budget_that_holds_enough_keeps_the_presets():
+    short = schedule(budget=300.0, min_steps=1600)  # 145 steps of 4000: 1600 would need steps under 1000
+    lrs = played(short, [2.0])
+    assert short.tokens_per_step == 1000 and 560 <= len(lrs) <= 590  # 290 s at 0.5 s a step
+    enough = schedule(budget=900.0, min_steps=400)
+    played(enough, [2.0])
+    assert enough.tokens_per_step == 4000 and "preset_tokens" not in enough.revisions[0]
+    off = schedule(budget=300.0)  # budget_min_steps left out: the step stays the preset's
+    played(off, [2.0])
+    assert off.tokens_per_step == 4000
 
 
 def test_a_decay_share_of_one_decays_from_the_warmups_end():
@@ -203,6 +249,48 @@ def test_a_resumed_fitted_run_trains_as_the_uninterrupted_one(prepared, fitted_r
     assert lrs_of(tmp_path / "run") == lrs_of(whole_dir)
     resumed, uninterrupted = (load_checkpoint(path / FINAL_MODEL)["model"] for path in (tmp_path / "run", whole_dir))
     assert all(resumed[key].equal(uninterrupted[key]) for key in uninterrupted)
+
+
+# budget_min_steps beyond what 12 s hold at 0.1 s a step: steps of the smallest size after the first fit
+SMALLER = {**FITTED, "budget_min_steps": 400, "budget_min_tokens": 200}
+
+
+@pytest.fixture(scope="module")
+def smaller_run(prepared, tmp_path_factory):
+    from test_budget_window import train_with_clock
+
+    run_dir = tmp_path_factory.mktemp("smaller") / "run"
+    return run_dir, train_with_clock(prepared, run_dir, 0.05, **SMALLER)
+
+
+def test_the_trainer_cuts_smaller_steps_after_the_fit_and_a_resumed_run_keeps_them(prepared, smaller_run, fitted_run,
+                                                                                   tmp_path):
+    import json
+
+    from test_budget_window import FakeClock, job, train_with_clock
+
+    from aiayn.checkpoint import load_checkpoint
+    from aiayn.layout import FINAL_MODEL
+    from aiayn.train.trainer import Preempted, Trainer
+
+    run_dir, summary = smaller_run
+    assert summary["budget_tokens_per_step"] == 200 and summary["budget_min_steps"] == 400
+    tokens = {entry["step"]: entry["real_tgt_tokens_per_step"] for entry in
+              map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "real_tgt_tokens_per_step" in entry}
+    # padded steps of 600 tokens a side until the fit at step 10, of 200 after it (the tiny corpus' real share)
+    assert min(tokens[step] for step in tokens if step <= 10) > 2 * max(tokens[step] for step in tokens if step > 12)
+    assert summary["real_tgt_tokens_per_step"] < fitted_run[1]["real_tgt_tokens_per_step"]
+    trainer = Trainer(job(prepared, tmp_path / "run", **SMALLER))
+    trainer.clock = FakeClock(0.05)
+    trainer.job.stop_after_steps = 60
+    with pytest.raises(Preempted):
+        trainer.run()
+    checkpoint = load_checkpoint(tmp_path / "run" / "checkpoints" / "safety_00000060.pt")
+    assert checkpoint["batch_rule"]["tokens_per_step"] == 200
+    resumed = train_with_clock(prepared, tmp_path / "run", 0.05, **SMALLER)
+    assert resumed["step"] == summary["step"] and lrs_of(tmp_path / "run") == lrs_of(run_dir)
+    models = [load_checkpoint(path / FINAL_MODEL)["model"] for path in (tmp_path / "run", run_dir)]
+    assert all(models[0][key].equal(models[1][key]) for key in models[1])
 
 
 def test_a_budget_schedule_without_a_budget_is_refused_before_any_step(prepared, tmp_path):

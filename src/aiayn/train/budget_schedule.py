@@ -8,11 +8,14 @@ when a clock ends the run: a slow box spends its budget climbing, a fast one dec
   ``warmup_steps``, climbing to the paper's peak (the formula at the preset's ``warmup_steps`` and ``lr_scale``),
   so more steeply than the preset where it is shorter; ``slope``: the preset's own warmup, at its slope, cut
   where the decay must begin, its peak the learning rate it reached there (the paper's peak where the budget
-  holds the whole warmup). Until the first ``MEASURE_STEPS`` steps have given a pace, the ramp climbs at the
-  preset's slope;
+  holds the whole warmup), the cut revised with the projection while the ramp climbs. Until the first
+  ``MEASURE_STEPS`` steps have given a pace, the ramp climbs at the preset's slope;
 - the stable phase: the peak held until the decay ("warmup-stable-decay"), so a young run keeps its learning rate;
 - the decay: over the last ``budget_decay_share`` of the projected steps, from the peak to ``budget_floor`` x peak
-  at the projected last step, ``linear`` or ``cosine``. A share of 1 decays from the warmup's end on.
+  at the projected last step, ``linear`` or ``cosine``. A share of 1 decays from the warmup's end on;
+- the step (``budget_min_steps``): a budget that would hold fewer steps trains smaller ones from the first fit on
+  (at least ``budget_min_tokens``), sized so that it holds about that many: a short budget learns more from
+  more updates of fewer tokens than from a few large ones (BENCHMARKS.md).
 
 The pace is the median seconds a step over the last ``RATE_WINDOW`` steps, plus the run's overhead per step (the
 time of dev evaluations and checkpoints beyond a step, over the steps up to the last of them), so a dev evaluation
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from aiayn.train.schedule import learning_rate
 
@@ -67,6 +70,9 @@ class BudgetSchedule:
     marks: list = field(default_factory=list)       # [step, clock] of the recent steps: the pace
     overhead: list = field(default_factory=lambda: [0, 0.0])  # [step, seconds]: beyond the pace, to the last one
     revisions: list = field(default_factory=list)   # {step, projected_steps, lr, seconds_per_step}
+    tokens_per_step: int = 0            # the step's tokens: the preset's, or what the first fit chose
+    min_steps: int = 0                  # budget_min_steps: fewer projected trains smaller steps (0: never)
+    min_tokens: int = 0                 # budget_min_tokens: the smallest step the fit chooses
 
     def lr(self, step: int) -> float:
         """The learning rate of step ``step``."""
@@ -87,6 +93,28 @@ class BudgetSchedule:
         """The step after which the decay to a projected last step ``end_step`` begins."""
         return max(self.warmup, end_step - round(self.decay_share * end_step))
 
+    def cut_warmup(self, step: int, projected: int) -> None:
+        """``slope``: the warmup cut where the decay to ``projected`` steps must begin (never before ``step``, never
+        beyond the preset's), its peak and floor what the preset's slope reaches there."""
+        end = max(projected, step + 1)
+        warmup = max(min(end - round(self.decay_share * end), self.preset_warmup), step)
+        self.peak *= warmup / self.warmup
+        self.floor *= warmup / self.warmup
+        self.warmup = warmup
+
+    def fit_batch(self, step: int, clock: float, pace: float, projected: int) -> int:
+        """At the first fit: where the budget holds fewer than ``min_steps`` steps, smaller steps (at least
+        ``min_tokens``), sized on a pace in proportion to a step's tokens, so that it holds about ``min_steps``;
+        the projected steps at the step chosen. The pace is measured afresh on the new steps."""
+        tokens = self.tokens_per_step
+        if not self.min_steps or projected >= self.min_steps or tokens <= self.min_tokens:
+            return projected
+        left = max(self.budget - clock, 0.0)
+        fitted = max(self.min_tokens, min(tokens, int(tokens * left / (pace * max(self.min_steps - step, 1)))))
+        self.tokens_per_step = fitted
+        self.marks = [[step, clock]]  # the recent steps' pace was the old step's
+        return step + int(left / max(pace * fitted / tokens, 1e-9))
+
     def observe(self, step: int, clock: float) -> dict | None:
         """Step ``step`` is done, the run's clock (summed over resumes, the same on every process) at ``clock``
         seconds. Returns the revision made, if any."""
@@ -105,20 +133,26 @@ class BudgetSchedule:
         pace = step_pace + (self.overhead[1] / self.overhead[0] if self.overhead[0] else 0.0)
         projected = step + max(int((self.budget - clock) / max(pace, 1e-9)), 0)
         lr_now = self.lr(step)
-        if self.warmup is None:
+        first = self.warmup is None
+        tokens = self.tokens_per_step
+        if first:
+            projected = self.fit_batch(step, clock, pace, projected)
             if self.warmup_mode == "slope":
-                end = max(projected, step + 1)
-                self.warmup = max(min(end - round(self.decay_share * end), self.preset_warmup), step)
-                self.floor *= self.warmup / self.preset_warmup
-                self.peak *= self.warmup / self.preset_warmup  # what the preset's slope reaches at the cut
+                self.warmup = self.preset_warmup  # the preset's peak, cut just below
+                self.cut_warmup(step, projected)
             else:
                 self.warmup = max(min(round(self.warmup_share * projected), self.preset_warmup), step)
             self.ramp_from = [step, lr_now]
+        elif self.warmup_mode == "slope" and step < self.warmup:
+            self.cut_warmup(step, projected)  # still climbing at the preset's slope: the cut follows the projection
         end_step = max(projected, self.warmup + 1)
         if step > self.warmup and (self.anchor or step >= self.decay_start(end_step)):
             self.anchor = [step, lr_now]  # the decay goes on (or starts) from here: never back up
         self.end_step = end_step
-        revision = {"step": step, "projected_steps": self.end_step, "lr": lr_now, "seconds_per_step": pace}
+        revision = {"step": step, "projected_steps": self.end_step, "lr": lr_now, "seconds_per_step": pace,
+                    "tokens_per_step": self.tokens_per_step}
+        if first and tokens != self.tokens_per_step:
+            revision["preset_tokens"] = tokens
         self.revisions.append(revision)
         return revision
 
@@ -136,6 +170,7 @@ class BudgetSchedule:
                 "budget_warmup": self.warmup, "budget_peak_lr": self.peak, "budget_floor_lr": self.floor,
                 "budget_revisions": len(self.revisions), "budget_decay": self.shape,
                 "budget_decay_share": self.decay_share, "budget_warmup_mode": self.warmup_mode,
+                "budget_tokens_per_step": self.tokens_per_step, "budget_min_steps": self.min_steps,
                 "budget_logged_revisions": [r for r in self.revisions if r.get("logged")]}
 
 
@@ -171,7 +206,14 @@ def run_schedule(settings, d_model: int, saved: dict | None) -> PaperSchedule | 
     return BudgetSchedule(peak=peak, floor=settings.budget_floor * peak, preset_warmup=settings.warmup_steps,
                           warmup_share=settings.budget_warmup_share, shape=settings.budget_decay,
                           decay_share=settings.budget_decay_share, warmup_mode=settings.budget_warmup,
-                          budget=settings.max_minutes * 60)
+                          budget=settings.max_minutes * 60, tokens_per_step=settings.tokens_per_step,
+                          min_steps=settings.budget_min_steps, min_tokens=settings.budget_min_tokens)
+
+
+def fitted_batch(settings, tokens: int | None):
+    """``settings`` with the step size ``tokens`` a budget schedule chose (None or 0: none chosen, ``settings``
+    themselves): what the steps after its first fit, and a resumed run's, are cut at."""
+    return settings if not tokens or tokens == settings.tokens_per_step else replace(settings, tokens_per_step=tokens)
 
 
 def noteworthy(schedule: BudgetSchedule, revision: dict) -> bool:
@@ -186,7 +228,11 @@ def noteworthy(schedule: BudgetSchedule, revision: dict) -> bool:
 def describe(schedule: BudgetSchedule, revision: dict) -> str:
     """The log's line for a logged revision."""
     if revision is schedule.revisions[0]:
-        return (f"budget schedule: {revision['seconds_per_step']:.3f} s a step over the first steps, so about "
+        smaller = ""
+        if schedule.tokens_per_step != revision.get("preset_tokens", schedule.tokens_per_step):
+            smaller = (f"steps of {schedule.tokens_per_step} tokens from here on (at {revision['preset_tokens']} the "
+                       f"budget would hold fewer than budget_min_steps, {schedule.min_steps}), so ")
+        return (f"budget schedule: {revision['seconds_per_step']:.3f} s a step over the first steps; {smaller}about "
                 f"{revision['projected_steps']} steps in {schedule.budget / 60:g} minutes: warmup {schedule.warmup} "
                 f"steps to {schedule.peak:.3g}, held to step {schedule.decay_start(revision['projected_steps'])}, "
                 f"then {schedule.shape} to {schedule.floor:.3g} at the budget's end")
@@ -206,16 +252,17 @@ def revise(schedule: PaperSchedule | BudgetSchedule, step: int, clock: float, tr
 
 def played(schedule: BudgetSchedule, step_seconds: list[float], overhead_every: int = 0,
            overhead_seconds: float = 0.0) -> list[tuple[int, float]]:
-    """(step, lr) of every step of a run whose steps take ``step_seconds`` (repeated), with ``overhead_seconds``
-    more on the clock every ``overhead_every`` steps (dev evaluations), until the budget is spent: what the
-    trainer does, played on a given pace (for tests and for planning)."""
+    """(step, lr) of every step of a run whose steps take ``step_seconds`` (repeated; a step the fit made smaller,
+    its share of that), with ``overhead_seconds`` more on the clock every ``overhead_every`` steps (dev
+    evaluations), until the budget is spent: what the trainer does, played on a given pace (for tests, planning)."""
     clock = 0.0
     out = []
     step = 0
+    tokens = schedule.tokens_per_step  # a step fitted smaller takes its share of the time (as on a CPU)
     while clock < schedule.budget:
         step += 1
         out.append((step, schedule.lr(step)))
-        clock += step_seconds[(step - 1) % len(step_seconds)]
+        clock += step_seconds[(step - 1) % len(step_seconds)] * (schedule.tokens_per_step / tokens if tokens else 1.0)
         schedule.observe(step, clock)
         if overhead_every and step % overhead_every == 0:
             clock += overhead_seconds  # after the step, as the trainer's dev evaluation

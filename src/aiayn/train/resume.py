@@ -17,6 +17,7 @@ from aiayn.errors import UserError
 from aiayn.layout import CHECKPOINTS
 from aiayn.memory import resumed_device_tokens
 from aiayn.model import ModelConfig
+from aiayn.train.budget_schedule import fitted_batch
 from aiayn.train.model_state import ModelState
 from aiayn.train.run_data import RunData
 from aiayn.train.schedule import schedule_record
@@ -67,6 +68,8 @@ class Checkpoints:
         if checkpoint["model_config"] != self.model_config.to_dict():
             raise UserError(f"{path}: its model_config differs from preset {self.preset_name!r}; "
                             f"the preset changed since this run started: delete {self.run_dir} to start afresh")
+        # a budget schedule's fitted step size is the run's, as it was before it stopped
+        settings = fitted_batch(settings, (checkpoint["progress"].get("budget_schedule") or {}).get("tokens_per_step"))
         settings.check_batch_rule(checkpoint.get("batch_rule"), path, self.run_dir)  # not for device_tokens
         state.load(checkpoint)
         torch.set_rng_state(checkpoint["rng"]["torch"])

@@ -59,6 +59,8 @@ class TrainSettings:
     budget_decay: str = "linear"
     budget_decay_share: float = 0.2
     budget_warmup: str = "slope"
+    budget_min_steps: int = 0
+    budget_min_tokens: int = 1000
 
     @classmethod
     def from_config(cls, preset: dict, train: dict, seed: int, device: torch.device | None = None,
@@ -88,7 +90,7 @@ class TrainSettings:
             # not filled into presets (x-fill: false): a preset without them keeps its params, and its runs
             **{key: preset.get(key, preset_default(key))
                for key in ("schedule", "budget_warmup_share", "budget_floor", "budget_decay",
-                             "budget_decay_share", "budget_warmup")},
+                             "budget_decay_share", "budget_warmup", "budget_min_steps", "budget_min_tokens")},
         ).checked(preset.get("name"))
 
     def checked(self, preset_name: str | None) -> "TrainSettings":
@@ -194,6 +196,14 @@ class StepSource:
             self._epoch = epoch
             self._steps = step_batches(*self.cut, self.settings.tokens_per_step, self.settings.seed, epoch)
         return self._steps
+
+    def recut(self, settings: TrainSettings, progress: Progress) -> "StepSource":
+        """The steps cut at ``settings``' size from here on, ``progress``' cursor moved to the same share of its
+        epoch (a budget schedule's fitted step: ``aiayn.train.budget_schedule``)."""
+        source = StepSource(self.split, settings)
+        before, after = len(self.steps_of(progress.epoch)), len(source.steps_of(progress.epoch))
+        progress.cursor = min(round(progress.cursor * after / before), after)
+        return source
 
     def next(self, progress: Progress) -> tuple[list[np.ndarray], StepShape]:
         """The next step's micro-batches (advancing ``progress``' epoch and cursor) and its sizes."""

@@ -24,7 +24,7 @@ from aiayn.device import choose_device
 from aiayn.memory import agreed_device_tokens, fit_step
 from aiayn.speed.shapes import ShapeLog
 from aiayn.train.dev_evaluation import DevEvaluation
-from aiayn.train.budget_schedule import revise, run_schedule
+from aiayn.train.budget_schedule import fitted_batch, revise, run_schedule
 from aiayn.train.divergence import DivergenceGuard, TrainingDiverged  # noqa: F401 (TrainingDiverged: the stage's)
 from aiayn.train.final import write_final
 from aiayn.train.hardware import Distributed, peak_flops
@@ -251,7 +251,7 @@ class Trainer:
             loop.rolled_back_to(self.progress.step)
             return None
         lr = self.optimizer_step(step, outcome.grad_norm)
-        revise(self.schedule, step, outcome.clock, self.tracker if main else None)
+        revise_schedule(self, step, outcome.clock)
         seconds = time.perf_counter() - step_start
         progress.account(step, shape, flops, seconds)
         self.shape_log.step(shape.shapes[self.dist.rank::self.world], progress, seconds)
@@ -276,6 +276,16 @@ class Trainer:
                         "epoch": progress.epoch, **progress.shape_costs(), **self.scaling.metrics()})
         self.tracker.log_metrics(metrics, step)
         self.loop.show(metrics, lr)
+
+
+def revise_schedule(trainer: Trainer, step: int, clock: float) -> None:
+    """The schedule's revision after step ``step`` (``aiayn.train.budget_schedule.revise``); where a budget
+    schedule's first fit chose smaller steps (``budget_min_steps``), the steps to come are cut at that size, from
+    the same place in the epoch: alike on every process, which all fit on the same agreed clock."""
+    revise(trainer.schedule, step, clock, trainer.tracker if trainer.dist.is_main else None)
+    settings = fitted_batch(trainer.settings, getattr(trainer.schedule, "tokens_per_step", None))
+    if settings is not trainer.settings:
+        trainer.settings, trainer.source = settings, trainer.source.recut(settings, trainer.progress)
 
 
 def stop_error(trainer: Trainer) -> Exception:
