@@ -181,6 +181,7 @@ class PaperSchedule:
     d_model: int
     warmup_steps: int
     lr_scale: float
+    tokens_per_step: int = 0  # no step size chosen: the run's own
 
     def lr(self, step: int) -> float:
         return learning_rate(step, self.d_model, self.warmup_steps, self.lr_scale)
@@ -229,7 +230,7 @@ def describe(schedule: BudgetSchedule, revision: dict) -> str:
     """The log's line for a logged revision."""
     if revision is schedule.revisions[0]:
         smaller = ""
-        if schedule.tokens_per_step != revision.get("preset_tokens", schedule.tokens_per_step):
+        if "preset_tokens" in revision:
             smaller = (f"steps of {schedule.tokens_per_step} tokens from here on (at {revision['preset_tokens']} the "
                        f"budget would hold fewer than budget_min_steps, {schedule.min_steps}), so ")
         return (f"budget schedule: {revision['seconds_per_step']:.3f} s a step over the first steps; {smaller}about "

@@ -283,7 +283,7 @@ def revise_schedule(trainer: Trainer, step: int, clock: float) -> None:
     schedule's first fit chose smaller steps (``budget_min_steps``), the steps to come are cut at that size, from
     the same place in the epoch: alike on every process, which all fit on the same agreed clock."""
     revise(trainer.schedule, step, clock, trainer.tracker if trainer.dist.is_main else None)
-    settings = fitted_batch(trainer.settings, getattr(trainer.schedule, "tokens_per_step", None))
+    settings = fitted_batch(trainer.settings, trainer.schedule.tokens_per_step)
     if settings is not trainer.settings:
         trainer.settings, trainer.source = settings, trainer.source.recut(settings, trainer.progress)
 
